@@ -1,0 +1,190 @@
+"""Start, watch and stop a real tritonserver for a model repository.
+
+Used by `make serve`, `make demo`, the test fixture and perf/. It finds the binary (PATH first, e.g. the NGC
+image; else the one inside the nvidia-pytriton wheel), puts the python backend stub for the running interpreter
+next to the backend, sets the library path the stub needs, waits for readiness and shuts the server down cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path | None  # None: the binary's built-in default (/opt/tritonserver/backends)
+
+
+def find_tritonserver() -> TritonInstall:
+    """Prefer a tritonserver on PATH; fall back to the one shipped in the nvidia-pytriton wheel."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(Path(on_path), None)
+    spec = find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("no tritonserver on PATH and nvidia-pytriton is not installed; run `make setup`")
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    install = TritonInstall(root / "bin" / "tritonserver", root / "backends")
+    prepare_python_stub(root)
+    return install
+
+
+def prepare_python_stub(root: Path) -> None:
+    """The python backend runs the stub found beside libtriton_python.so: give it the one for this Python."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    source = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    target = root / "backends" / "python" / "triton_python_backend_stub"
+    if not source.exists():
+        raise FileNotFoundError(f"nvidia-pytriton has no python backend stub for Python {version}")
+    if not target.exists() or target.read_bytes() != source.read_bytes():
+        shutil.copy2(source, target)
+        target.chmod(0o755)
+
+
+def server_env() -> dict[str, str]:
+    """The stub links libpython3.x: put this interpreter's libdir first so it loads the matching one."""
+    env = dict(os.environ)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process. Use as a context manager, or call start() / stop()."""
+
+    repository: Path
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_file: Path = Path("logs/tritonserver.log")
+    model_control: str = "none"  # none | explicit | poll
+    load_models: list[str] = field(default_factory=list)  # explicit mode: models loaded at start ("*" for all)
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 180.0
+    process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        install = find_tritonserver()
+        cmd = [str(install.binary), f"--model-repository={Path(self.repository).resolve()}",
+               f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
+               f"--metrics-port={self.metrics_port}", f"--model-control-mode={self.model_control}",
+               "--log-verbose=0", "--exit-timeout-secs=20"]
+        if install.backend_dir is not None:
+            cmd.append(f"--backend-directory={install.backend_dir}")
+        cmd += [f"--load-model={name}" for name in self.load_models]
+        return cmd + list(self.extra_args)
+
+    def start(self) -> TritonServer:
+        if self.model_control != "explicit" and self.load_models:
+            raise ValueError("load_models needs model_control='explicit'")
+        self.log_file = Path(self.log_file)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_file.open("wb")
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                                        start_new_session=True)
+        log.close()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        url = f"http://localhost:{self.http_port}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} during startup; "
+                                   f"log {self.log_file}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
+                           f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGINT (Triton's graceful shutdown: finish in-flight requests, unload models), then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run tritonserver on a model repository (foreground).")
+    parser.add_argument("--repository", default="model_repository")
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none")
+    parser.add_argument("--load-model", action="append", default=[], help="explicit mode: model to load (repeat)")
+    parser.add_argument("--log-file", default="logs/tritonserver.log")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    args = parser.parse_args(argv)
+    server = TritonServer(Path(args.repository), args.http_port, args.grpc_port, args.metrics_port,
+                          Path(args.log_file), args.model_control, args.load_model, startup_timeout_s=args.timeout)
+    with server:
+        print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
+              f"(log: {server.log_file}); Ctrl-C stops it", flush=True)
+        try:
+            server.process.wait()
+        except KeyboardInterrupt:
+            print("stopping tritonserver", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Thin adapter between Triton's python backend and the pure encoders: requests in, responses out.
+
+Every request of an `execute` call is validated on its own (a bad one gets INVALID_ARG, the others still run), then
+all good requests go through the engine as one batch: that is where Triton's dynamic batching pays off.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from backends.errors import InvalidInput
+
+log = logging.getLogger(__name__)
+
+
+def model_parameters(model_config: dict) -> dict[str, str]:
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def bytes_items(array: np.ndarray) -> list[bytes]:
+    """A BYTES tensor of any shape -> flat list of bytes objects."""
+    return [item if isinstance(item, bytes) else bytes(item) for item in array.reshape(-1)]
+
+
+class BatchedTritonModel:
+    """Python-backend model whose requests are prepared one by one and inferred together.
+
+    `encoder_factory(version_dir, params)` builds an object with prepare(list[bytes]) and infer(list[prepared]).
+    """
+
+    def __init__(self, encoder_factory: Callable[[Path, dict[str, str]], Any]):
+        self.encoder_factory = encoder_factory
+
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        self.params = model_parameters(config)
+        self.input_name = config["input"][0]["name"]
+        self.output_name = config["output"][0]["name"]
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        self.encoder = self.encoder_factory(version_dir, self.params)
+
+    def execute(self, requests: list) -> list:
+        pb = self.pb
+        responses: list = [None] * len(requests)
+        prepared: list[tuple[int, Any]] = []
+        for i, request in enumerate(requests):
+            try:
+                items = bytes_items(pb.get_input_tensor_by_name(request, self.input_name).as_numpy())
+                prepared.append((i, self.encoder.prepare(items)))
+            except InvalidInput as exc:
+                responses[i] = pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
+        if prepared:
+            try:
+                outputs = self.encoder.infer([p for _, p in prepared])
+            except Exception as exc:  # engine failure: report it on each request, keep the model alive
+                log.exception("inference failed")
+                error = pb.TritonError(f"inference failed: {type(exc).__name__}: {exc}", pb.TritonError.INTERNAL)
+                outputs = [error] * len(prepared)
+            for (i, _), output in zip(prepared, outputs):
+                if isinstance(output, np.ndarray):
+                    responses[i] = pb.InferenceResponse([pb.Tensor(self.output_name, output.astype(np.float32))])
+                else:
+                    responses[i] = pb.InferenceResponse(error=output)
+        return responses
+
+    def finalize(self) -> None:
+        self.encoder = None

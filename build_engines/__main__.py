@@ -1,0 +1,5 @@
+import sys
+
+from build_engines.cli import main
+
+sys.exit(main())

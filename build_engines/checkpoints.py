@@ -1,0 +1,76 @@
+"""Tiny random-init checkpoints of the real architectures, saved as ordinary Hugging Face directories.
+
+They stand in for weights we cannot download: the builder and the tests then load them through exactly the same
+`from_pretrained` path a real checkpoint takes. Seeds are fixed so every machine builds the same weights.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_ROOT = Path(".checkpoints")
+TINY_WORDS = "a photo of the cat and dog on grass red blue car tree person".split()
+
+
+def tiny_vit(out: Path) -> Path:
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessorPil
+
+    torch.manual_seed(0)
+    config = ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                       image_size=224, patch_size=16, num_labels=10,
+                       id2label={i: f"class_{i}" for i in range(10)}, label2id={f"class_{i}": i for i in range(10)})
+    ViTForImageClassification(config).save_pretrained(out)
+    ViTImageProcessorPil(size={"height": 224, "width": 224}).save_pretrained(out)
+    return out
+
+
+def tiny_clip_tokenizer(model_max_length: int = 77):
+    """A real CLIPTokenizer over a byte-level vocabulary with a few word merges (no download needed)."""
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    merges = []
+    for word in TINY_WORDS:  # merge each word left to right so common words become single tokens
+        left = word[0]
+        for j, ch in enumerate(word[1:], start=1):
+            right = ch + ("</w>" if j == len(word) - 1 else "")
+            merges.append((left, right))
+            vocab.setdefault(left + right, len(vocab))
+            left = left + right
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+
+
+def tiny_clip(out: Path) -> Path:
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel
+
+    tokenizer = tiny_clip_tokenizer()
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=224, patch_size=32),
+        projection_dim=32,
+    )
+    CLIPModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    CLIPImageProcessorPil(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}).save_pretrained(out)
+    return out
+
+
+TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip}
+
+
+def tiny_checkpoint(family: str, root: Path = TINY_ROOT) -> Path:
+    """Path of the tiny checkpoint for a model family, created on first use."""
+    out = root / f"tiny-{family}"
+    if not (out / "config.json").exists():
+        TINY_BUILDERS[family](out)
+    return out

@@ -1,0 +1,123 @@
+"""Export a PyTorch module to an engine artefact and prove the artefact computes what the module computes.
+
+ONNX goes through the torch.export-based exporter with dynamic axes; the exported graph is then run with ONNX
+Runtime on fresh random inputs at two batch sizes (which also checks the dynamic batch axis) and compared to PyTorch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+# Max |engine - torch| allowed on random inputs, by precision. fp32 differences come from kernel order only.
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 1e-1}
+
+MakeInputs = Callable[[int], dict[str, "torch.Tensor"]]  # batch size -> named example inputs  # noqa: F821
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to export: the module, how to make example inputs, which axes are dynamic, output names."""
+
+    module: "torch.nn.Module"  # noqa: F821
+    make_inputs: MakeInputs
+    dynamic_axes: dict[str, dict[int, tuple[str, int]]]  # input name -> {axis: (symbolic name, max size)}
+    outputs: list[str]
+
+
+def _dynamic_shapes(spec: EngineSpec):
+    import torch
+
+    dims: dict[str, torch.export.Dim] = {}
+    shapes = {}
+    for name, axes in spec.dynamic_axes.items():
+        shapes[name] = {axis: dims.setdefault(sym, torch.export.Dim(sym, max=top)) for axis, (sym, top) in axes.items()}
+    return shapes
+
+
+def _example(spec: EngineSpec, batch: int) -> dict:
+    return spec.make_inputs(batch)
+
+
+def export_onnx(spec: EngineSpec, path: Path, precision: str = "fp32") -> None:
+    import torch
+
+    example = _example(spec, 2)
+    program = torch.export.export(spec.module, (), kwargs=example, dynamic_shapes=_dynamic_shapes(spec), strict=False)
+    onnx_program = torch.onnx.export(program, (), kwargs=example, input_names=list(example),
+                                     output_names=spec.outputs, dynamo=True, verbose=False)
+    onnx_program.save(str(path))
+
+
+def export_torch(spec: EngineSpec, path: Path) -> None:
+    import torch
+
+    example = _example(spec, 2)
+    program = torch.export.export(spec.module, tuple(example.values()), dynamic_shapes=tuple(
+        _dynamic_shapes(spec).get(name) for name in example), strict=False)
+    torch.export.save(program, str(path))
+
+
+def reference_outputs(spec: EngineSpec, inputs: dict) -> list[np.ndarray]:
+    import torch
+
+    with torch.inference_mode():
+        out = spec.module(**inputs)
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    return [o.float().numpy() for o in out]
+
+
+def verify(spec: EngineSpec, run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], precision: str,
+           batches: tuple[int, ...] = (1, 3)) -> float:
+    """Largest |engine - module| over fresh random inputs; raises if above TOLERANCE[precision]."""
+    worst = 0.0
+    for batch in batches:
+        inputs = spec.make_inputs(batch)
+        expected = reference_outputs(spec, inputs)
+        got = run({k: v.numpy() for k, v in inputs.items()})
+        for name, ref in zip(spec.outputs, expected):
+            if got[name].shape != ref.shape:
+                raise AssertionError(f"{name}: engine shape {got[name].shape} != reference {ref.shape}")
+            worst = max(worst, float(np.abs(got[name].astype(np.float32) - ref).max()))
+    if worst > TOLERANCE[precision]:
+        raise AssertionError(f"engine differs from PyTorch by {worst:.3g} > {TOLERANCE[precision]} ({precision})")
+    return worst
+
+
+def build_tensorrt(onnx_path: Path, plan_path: Path, precision: str, max_batch: int,
+                   shapes: dict[str, tuple[int, ...]]) -> None:
+    """ONNX -> TensorRT plan with the TensorRT 10 Python API (one optimisation profile over the batch axis).
+
+    Not verified in our environment: tensorrt cannot be installed there. Raises RuntimeError with a one-line reason
+    when tensorrt or a GPU is missing.
+    """
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise RuntimeError("--runtime tensorrt needs the tensorrt Python package, which is not installed") from None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--runtime tensorrt needs a CUDA GPU; none is visible")
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(onnx_path.read_bytes()):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    if precision == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    elif precision == "bf16":
+        config.set_flag(trt.BuilderFlag.BF16)
+    profile = builder.create_optimization_profile()
+    for name, shape in shapes.items():  # shape excludes batch
+        profile.set_shape(name, (1, *shape), (max(1, max_batch // 2), *shape), (max_batch, *shape))
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("TensorRT failed to build the engine (see its log above)")
+    plan_path.write_bytes(bytes(plan))

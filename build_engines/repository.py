@@ -1,0 +1,97 @@
+"""Writes model folders: config.pbtxt rendered from Triton's own ModelConfig protobuf (unknown keys are errors),
+warm-up data, and the engine metadata the runtime layer reads."""
+from __future__ import annotations
+
+import io
+import json
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+TYPES = {"BYTES": mc.TYPE_STRING, "FP32": mc.TYPE_FP32, "INT32": mc.TYPE_INT32, "INT64": mc.TYPE_INT64,
+         "BOOL": mc.TYPE_BOOL}
+
+
+@dataclass
+class Tensor:
+    name: str
+    dtype: str
+    dims: list[int]
+    label_filename: str | None = None  # enables Triton's classification extension on this output
+
+
+@dataclass
+class PythonModelConfig:
+    """A python-backend model's serving settings; `render()` gives the config.pbtxt text."""
+
+    name: str
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    max_batch_size: int = 64
+    max_queue_delay_us: int | None = 2000  # None: no dynamic batcher
+    instances: int = 1
+    kind: str = "KIND_CPU"
+    parameters: dict[str, str] = field(default_factory=dict)
+    warmup_file: str | None = None  # a file under <model>/warmup/ holding one serialized BYTES element
+
+    def render(self) -> str:
+        config = mc.ModelConfig(name=self.name, backend="python", max_batch_size=self.max_batch_size)
+        for spec, tensors in ((config.input, self.inputs), (config.output, self.outputs)):
+            for t in tensors:
+                added = spec.add(name=t.name, data_type=TYPES[t.dtype], dims=t.dims)
+                if t.label_filename:
+                    added.label_filename = t.label_filename
+        if self.max_queue_delay_us is not None:
+            config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
+        config.instance_group.add(count=self.instances, kind=getattr(mc.ModelInstanceGroup, self.kind))
+        for key, value in sorted(self.parameters.items()):
+            config.parameters[key].string_value = value
+        if self.warmup_file:
+            warmup = config.model_warmup.add(name=f"{self.inputs[0].name}_sample", batch_size=1)
+            entry = warmup.inputs[self.inputs[0].name]
+            entry.data_type = TYPES[self.inputs[0].dtype]
+            entry.dims.extend(self.inputs[0].dims)
+            entry.input_data_file = self.warmup_file
+        return text_format.MessageToString(config)
+
+
+def serialize_bytes_tensor(items: list[bytes]) -> bytes:
+    """Triton's raw layout for BYTES: each element as a 4-byte little-endian length + its bytes."""
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def sample_png(size: tuple[int, int] = (320, 240)) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def execution_env(choice: str) -> str | None:
+    """EXECUTION_ENV_PATH for the python stub: the stub ignores PYTHONPATH/venvs, so point it at ours."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return sys.prefix if sys.prefix != sys.base_prefix else None
+    return str(Path(choice).resolve())
+
+
+def write_model(repository: Path, config: PythonModelConfig, warmup: bytes | None = None) -> Path:
+    folder = repository / config.name
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    if warmup is not None:
+        (folder / "warmup").mkdir(exist_ok=True)
+        (folder / "warmup" / config.warmup_file).write_bytes(serialize_bytes_tensor([warmup]))
+    (folder / "config.pbtxt").write_text(config.render())
+    return folder
+
+
+def write_engine_metadata(version_dir: Path, **fields) -> None:
+    (version_dir / "engine.json").write_text(json.dumps(fields, indent=2) + "\n")

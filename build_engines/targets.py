@@ -1,0 +1,248 @@
+"""What each model family builds: wrappers that define the served tensors, and the model folders they fill."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from build_engines.export import EngineSpec, build_tensorrt, export_onnx, export_torch, verify
+from build_engines.repository import PythonModelConfig, Tensor, execution_env, sample_png, write_engine_metadata, \
+    write_model
+
+BATCH = ("batch", 4096)  # dynamic batch axis of every engine (symbolic name, largest size)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    checkpoint: Path
+    runtime: str = "onnxruntime"
+    precision: str = "fp32"
+    repository: Path = Path("model_repository")
+    max_batch_size: int = 64
+    max_queue_delay_us: int = 2000
+    instances: int = 1
+    device: str = "auto"
+    execution_env: str = "auto"
+    force: bool = False
+
+    def fingerprint(self, family: str) -> str:
+        """Changes whenever the checkpoint or an option that shapes the artefacts changes."""
+        weights = sorted(p for p in self.checkpoint.iterdir() if p.is_file())
+        stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+        options = {k: str(v) for k, v in asdict(self).items() if k != "force"}
+        return hashlib.sha256(json.dumps([family, options, stamp]).encode()).hexdigest()[:16]
+
+
+class Progress:
+    """One line per build step with its duration: long exports show where they are."""
+
+    def __init__(self, name: str, steps: int):
+        self.name, self.steps, self.done = name, steps, 0
+
+    def step(self, what: str):
+        self.done += 1
+        print(f"[{self.name} {self.done}/{self.steps}] {what} ...", end="", flush=True)
+        return _Timer()
+
+
+class _Timer:
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, exc_type, *_):
+        print(f" {'failed' if exc_type else 'done'} in {time.perf_counter() - self.start:.1f}s", flush=True)
+
+
+class ViTLogits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model(pixel_values=pixel_values).logits
+
+
+class ClipImageEmbeds(torch.nn.Module):
+    """L2-normalised projected image embedding, as CLIPModel's `image_embeds`."""
+
+    def __init__(self, clip):
+        super().__init__()
+        self.vision, self.projection = clip.vision_model, clip.visual_projection
+
+    def forward(self, pixel_values):
+        embeds = self.projection(self.vision(pixel_values=pixel_values).pooler_output)
+        return embeds / embeds.norm(p=2, dim=-1, keepdim=True)
+
+
+class ClipTextEmbeds(torch.nn.Module):
+    """L2-normalised projected text embedding, as CLIPModel's `text_embeds`."""
+
+    def __init__(self, clip):
+        super().__init__()
+        self.text, self.projection = clip.text_model, clip.text_projection
+
+    def forward(self, input_ids, attention_mask):
+        embeds = self.projection(self.text(input_ids=input_ids, attention_mask=attention_mask).pooler_output)
+        return embeds / embeds.norm(p=2, dim=-1, keepdim=True)
+
+
+def image_inputs(height: int, width: int):
+    def make(batch: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(batch, 3, height, width)}
+    return make
+
+
+def text_inputs(vocab_size: int, eos_id: int):
+    def make(batch: int) -> dict[str, torch.Tensor]:
+        seq = 6 + 3 * batch
+        ids = torch.randint(0, vocab_size, (batch, seq))
+        ids[:, -1] = eos_id
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        if batch > 1:  # a shorter row, padded, exercises the attention mask
+            ids[0, seq // 2] = eos_id
+            mask[0, seq // 2 + 1:] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+    return make
+
+
+def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progress: Progress,
+                 sample_shapes: dict[str, tuple[int, ...]]) -> float:
+    """Export in the requested precision, verify against the fp32 module, write engine.json. Returns max error."""
+    version_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("model.onnx", "model.onnx.data", "model.pt2", "model.plan"):
+        (version_dir / stale).unlink(missing_ok=True)
+    dtype = DTYPES[opts.precision]
+    typed = EngineSpec(copy.deepcopy(spec.module).to(dtype),
+                       lambda b: {k: v.to(dtype) if v.is_floating_point() else v for k, v in spec.make_inputs(b).items()},
+                       spec.dynamic_axes, spec.outputs)
+    write_engine_metadata(version_dir, runtime=opts.runtime, precision=opts.precision, outputs=spec.outputs)
+    if opts.runtime == "torch":
+        from backends.runtime import TorchRuntime
+
+        with progress.step(f"exporting torch program ({opts.precision})"):
+            export_torch(typed, version_dir / "model.pt2")
+        engine = TorchRuntime(version_dir / "model.pt2", "cpu", opts.precision)
+    else:
+        from backends.runtime import OnnxRuntime
+
+        if opts.precision == "bf16":
+            raise RuntimeError("onnxruntime has no bf16 kernels for these models: use --runtime torch for bf16")
+        with progress.step(f"exporting ONNX ({opts.precision}, dynamic batch)"):
+            export_onnx(typed, version_dir / "model.onnx")
+        engine = OnnxRuntime(version_dir / "model.onnx", "cpu")
+    with progress.step("verifying the engine against PyTorch on random inputs"):
+        error = verify(spec, engine.run, opts.precision)
+    if opts.runtime == "tensorrt":
+        with progress.step("building TensorRT plan"):
+            build_tensorrt(version_dir / "model.onnx", version_dir / "model.plan", opts.precision,
+                           opts.max_batch_size, sample_shapes)
+    write_engine_metadata(version_dir, runtime=opts.runtime, precision=opts.precision, outputs=spec.outputs,
+                          max_abs_error_vs_torch=error, fingerprint=opts.fingerprint(spec_family(version_dir)),
+                          checkpoint=str(opts.checkpoint.resolve()))
+    print(f"    max |engine - torch| = {error:.2e} (tolerance by precision: see build_engines/export.py)")
+    return error
+
+
+def spec_family(version_dir: Path) -> str:
+    return version_dir.parent.name
+
+
+def up_to_date(opts: BuildOptions, names: list[str]) -> bool:
+    for name in names:
+        meta = opts.repository / name / "1" / "engine.json"
+        if opts.force or not meta.exists() or not (opts.repository / name / "config.pbtxt").exists():
+            return False
+        if json.loads(meta.read_text()).get("fingerprint") != opts.fingerprint(name):
+            return False
+    return True
+
+
+def common_parameters(opts: BuildOptions) -> dict[str, str]:
+    params = {"runtime": opts.runtime if opts.runtime != "tensorrt" else "tensorrt", "device": opts.device}
+    env = execution_env(opts.execution_env)
+    if env:
+        params["EXECUTION_ENV_PATH"] = env
+    return params
+
+
+def instance_kind(opts: BuildOptions) -> str:
+    return "KIND_GPU" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "KIND_CPU"
+
+
+def build_vit(opts: BuildOptions) -> None:
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    if up_to_date(opts, ["vit"]):
+        print("vit: up to date")
+        return
+    progress = Progress("vit", 4)
+    version_dir = opts.repository / "vit" / "1"
+    with progress.step(f"loading {opts.checkpoint}"):
+        model = ViTForImageClassification.from_pretrained(opts.checkpoint, dtype=torch.float32).eval()
+        processor = AutoImageProcessor.from_pretrained(opts.checkpoint)
+        version_dir.mkdir(parents=True, exist_ok=True)
+        processor.save_pretrained(version_dir)
+    size = model.config.image_size
+    spec = EngineSpec(ViTLogits(model), image_inputs(size, size), {"pixel_values": {0: BATCH}}, ["logits"])
+    build_engine(spec, version_dir, opts, progress, {"pixel_values": (3, size, size)})
+    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    (opts.repository / "vit" / "labels.txt").write_text("\n".join(labels) + "\n")
+    with progress.step("writing config.pbtxt"):
+        write_model(opts.repository, PythonModelConfig(
+            "vit", [Tensor("image", "BYTES", [1])], [Tensor("logits", "FP32", [len(labels)], "labels.txt")],
+            opts.max_batch_size, opts.max_queue_delay_us, opts.instances, instance_kind(opts),
+            common_parameters(opts), "image"), sample_png())
+
+
+def build_clip(opts: BuildOptions) -> None:
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    names = ["clip_vision", "clip_text"]
+    if up_to_date(opts, names):
+        print("clip: up to date")
+        return
+    progress = Progress("clip", 6)
+    with progress.step(f"loading {opts.checkpoint}"):
+        clip = CLIPModel.from_pretrained(opts.checkpoint, dtype=torch.float32).eval()
+        processor = AutoImageProcessor.from_pretrained(opts.checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(opts.checkpoint)
+    vision_dir, text_dir = (opts.repository / n / "1" for n in names)
+    vision_dir.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(vision_dir)
+    size = clip.config.vision_config.image_size
+    build_engine(EngineSpec(ClipImageEmbeds(clip), image_inputs(size, size), {"pixel_values": {0: BATCH}},
+                            ["image_embeds"]), vision_dir, opts, progress, {"pixel_values": (3, size, size)})
+    text_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(text_dir / "tokenizer")
+    text_cfg = clip.config.text_config
+    build_engine(EngineSpec(ClipTextEmbeds(clip), text_inputs(text_cfg.vocab_size, text_cfg.eos_token_id),
+                            {name: {0: BATCH, 1: ("sequence", text_cfg.max_position_embeddings)}
+                             for name in ("input_ids", "attention_mask")},
+                            ["text_embeds"]), text_dir, opts, progress,
+                 {"input_ids": (text_cfg.max_position_embeddings,), "attention_mask": (text_cfg.max_position_embeddings,)})
+    dim = clip.config.projection_dim
+    params, kind = common_parameters(opts), instance_kind(opts)
+    with progress.step("writing config.pbtxt for clip_vision, clip_text, clip"):
+        write_model(opts.repository, PythonModelConfig(
+            "clip_vision", [Tensor("image", "BYTES", [1])], [Tensor("image_embeds", "FP32", [dim])],
+            opts.max_batch_size, opts.max_queue_delay_us, opts.instances, kind, params, "image"), sample_png())
+        write_model(opts.repository, PythonModelConfig(
+            "clip_text", [Tensor("text", "BYTES", [1])], [Tensor("text_embeds", "FP32", [dim])],
+            opts.max_batch_size, opts.max_queue_delay_us, opts.instances, kind, params, "text"), b"a photo of a cat")
+        pipeline_params = {k: v for k, v in params.items() if k == "EXECUTION_ENV_PATH"}
+        pipeline_params.update(logit_scale=repr(math.exp(clip.logit_scale.item())),
+                               text_max_batch_size=str(opts.max_batch_size))
+        write_model(opts.repository, PythonModelConfig(
+            "clip", [Tensor("image", "BYTES", [1]), Tensor("text", "BYTES", [-1])],
+            [Tensor("scores", "FP32", [-1]), Tensor("probs", "FP32", [-1])],
+            max_batch_size=0, max_queue_delay_us=None, instances=2, kind="KIND_CPU", parameters=pipeline_params))
+
+
+FAMILIES = {"vit": build_vit, "clip": build_clip}

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 
-from backends.errors import InvalidInput
+from backends.errors import InvalidInput, is_client_error
 from backends.triton_model import model_parameters
 
 
@@ -59,9 +59,9 @@ class ClipPipeline:
                                       inputs=[pb.Tensor(input_name, data)])
         response = await request.async_exec()
         if response.has_error():
-            error = response.error()
-            code = error.code() if hasattr(error, "code") else pb.TritonError.INTERNAL
-            raise SubModelError(f"{model}: {error.message()}", code)
+            message = response.error().message()
+            code = pb.TritonError.INVALID_ARG if is_client_error(message) else pb.TritonError.INTERNAL
+            raise SubModelError(f"{model}: {message}", code)
         return pb.get_output_tensor_by_name(response, output_name).as_numpy()
 
 

@@ -28,8 +28,11 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
         raise InvalidInput(f"image rejected as a decompression bomb: {exc}") from None
-    except (UnidentifiedImageError, OSError) as exc:
-        raise InvalidInput(f"image bytes ({len(data)} bytes) are not a decodable image: {exc}") from None
+    except UnidentifiedImageError:
+        raise InvalidInput(f"image bytes ({len(data)} bytes, starting {data[:8]!r}) are not a known image "
+                           "format (JPEG, PNG, WebP, GIF, BMP, TIFF, ...)") from None
+    except OSError as exc:
+        raise InvalidInput(f"image header is corrupt: {exc}") from None
     width, height = image.size
     if width * height > max_pixels:
         raise InvalidInput(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")

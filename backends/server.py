@@ -62,6 +62,12 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def port_is_free(port: int) -> bool:
+    """Nothing listens there (a fresh server would otherwise look ready through an old one)."""
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -109,6 +115,9 @@ class TritonServer:
     def start(self) -> TritonServer:
         if self.model_control != "explicit" and self.load_models:
             raise ValueError("load_models needs model_control='explicit'")
+        for port in (self.http_port, self.grpc_port, self.metrics_port):
+            if not port_is_free(port):
+                raise RuntimeError(f"port {port} is already in use (another tritonserver?); pick other ports")
         self.log_file = Path(self.log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_file.open("wb")
@@ -176,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = TritonServer(Path(args.repository), args.http_port, args.grpc_port, args.metrics_port,
                           Path(args.log_file), args.model_control, args.load_model, startup_timeout_s=args.timeout)
+    def on_sigterm(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # `kill`/timeout must stop the server too, not orphan it
     with server:
         print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
               f"(log: {server.log_file}); Ctrl-C stops it", flush=True)

@@ -1,0 +1,51 @@
+"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity} ..."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from client.sdk import Client
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    parser.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    parser.add_argument("--url", help="host:port (default localhost:8000 for http, localhost:8001 for grpc)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    classify = sub.add_parser("classify", help="top-k labels from vit")
+    classify.add_argument("images", nargs="+", type=Path)
+    classify.add_argument("--top-k", type=int, default=5)
+    embed = sub.add_parser("embed", help="CLIP embeddings of images and/or texts")
+    embed.add_argument("--image", action="append", type=Path, default=[])
+    embed.add_argument("--text", action="append", default=[])
+    similarity = sub.add_parser("similarity", help="score one image against texts with the clip pipeline")
+    similarity.add_argument("image", type=Path)
+    similarity.add_argument("texts", nargs="+")
+    args = parser.parse_args(argv)
+    url = args.url or ("localhost:8000" if args.protocol == "http" else "localhost:8001")
+    client = Client(url, args.protocol)
+    np.set_printoptions(precision=4, suppress=True)
+    if args.command == "classify":
+        for path, labels in zip(args.images, client.classify([p.read_bytes() for p in args.images], args.top_k)):
+            print(f"{path}: " + ", ".join(f"{x.label} {x.score:.3f}" for x in labels))
+    elif args.command == "embed":
+        if not args.image and not args.text:
+            parser.error("embed needs --image and/or --text")
+        if args.image:
+            for path, vector in zip(args.image, client.embed_images([p.read_bytes() for p in args.image])):
+                print(f"{path}: dim {vector.size}, {vector[:6]} ...")
+        if args.text:
+            for text, vector in zip(args.text, client.embed_texts(args.text)):
+                print(f"{text!r}: dim {vector.size}, {vector[:6]} ...")
+    else:
+        scores, probs = client.similarity(args.image.read_bytes(), args.texts)
+        for text, score, prob in zip(args.texts, scores, probs):
+            print(f"{prob:6.3f}  (logit {score:7.3f})  {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

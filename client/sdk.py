@@ -1,0 +1,83 @@
+"""A small typed SDK over tritonclient: the same calls over HTTP or gRPC, errors as tritonclient raises them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Label:
+    label: str
+    index: int
+    score: float
+
+
+class Client:
+    """`Client("localhost:8000")` (HTTP) or `Client("localhost:8001", protocol="grpc")`."""
+
+    def __init__(self, url: str = "localhost:8000", protocol: str = "http", timeout_s: float = 60.0):
+        if protocol == "http":
+            import tritonclient.http as api
+
+            self.triton = api.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
+        elif protocol == "grpc":
+            import tritonclient.grpc as api
+
+            self.triton = api.InferenceServerClient(url)
+        else:
+            raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
+        self.api, self.protocol = api, protocol
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], class_count: int = 0) -> dict:
+        """One request; `inputs` maps tensor names to arrays (object arrays of bytes become BYTES)."""
+        tensors = []
+        for name, array in inputs.items():
+            dtype = "BYTES" if array.dtype == object else _TRITON_DTYPES[array.dtype.str[1:]]
+            tensor = self.api.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        requested = [self.api.InferRequestedOutput(name, class_count=class_count) for name in outputs]
+        result = self.triton.infer(model, tensors, outputs=requested)
+        return {name: result.as_numpy(name) for name in outputs}
+
+    def classify(self, images: list[bytes], top_k: int = 5) -> list[list[Label]]:
+        """Top-k labels per image from `vit`, through Triton's classification extension."""
+        out = self.infer("vit", {"image": _bytes_column(images)}, ["logits"], class_count=top_k)["logits"]
+        results = []
+        for row in out.reshape(len(images), -1):
+            labels = []
+            for entry in row:
+                score, index, label = (entry.decode() if isinstance(entry, bytes) else entry).split(":", 2)
+                labels.append(Label(label, int(index), float(score)))
+            results.append(labels)
+        return results
+
+    def embed_images(self, images: list[bytes]) -> np.ndarray:
+        """L2-normalised CLIP image embeddings [N, D]."""
+        return self.infer("clip_vision", {"image": _bytes_column(images)}, ["image_embeds"])["image_embeds"]
+
+    def embed_texts(self, texts: list[str]) -> np.ndarray:
+        """L2-normalised CLIP text embeddings [N, D]."""
+        column = _bytes_column([t.encode() for t in texts])
+        return self.infer("clip_text", {"text": column}, ["text_embeds"])["text_embeds"]
+
+    def similarity(self, image: bytes, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """CLIP logits of one image against each text, and their softmax over the texts."""
+        out = self.infer("clip", {"image": np.array([image], dtype=object),
+                                  "text": np.array([t.encode() for t in texts], dtype=object)}, ["scores", "probs"])
+        return out["scores"], out["probs"]
+
+    def close(self) -> None:
+        self.triton.close()
+
+
+def _bytes_column(items: list[bytes]) -> np.ndarray:
+    """A batch of N single-element BYTES rows ([N, 1]), as batching models expect."""
+    column = np.empty((len(items), 1), dtype=object)
+    for i, item in enumerate(items):
+        column[i, 0] = item
+    return column
+
+
+_TRITON_DTYPES = {"f4": "FP32", "f2": "FP16", "i4": "INT32", "i8": "INT64", "b1": "BOOL", "u1": "UINT8"}

@@ -1,0 +1,34 @@
+# Two commands for a newcomer: `make demo` (everything, end to end) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+export HTTP_PORT GRPC_PORT METRICS_PORT
+
+.PHONY: setup engines serve demo test test-unit bench clean
+
+setup:            ## venv + pinned stack + tritonserver + perf_analyzer (idempotent)
+	bash scripts/setup.sh
+
+engines: setup    ## tiny default engines into model_repository/ (skips what is up to date)
+	$(PY) -m build_engines all --tiny
+
+serve: engines    ## foreground tritonserver on HTTP_PORT/GRPC_PORT/METRICS_PORT
+	$(PY) -m backends.server --repository model_repository
+
+demo: engines     ## start the server, call every model once, stop it
+	$(PY) -m client.demo
+
+test: engines     ## the whole suite: unit tests and integration tests against a real tritonserver
+	$(PY) -m pytest -q tests
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit
+
+bench: engines    ## perf scenarios (perf/)
+	$(PY) -m perf
+
+clean:
+	rm -rf logs .pytest_cache model_repository/*/config.pbtxt model_repository/*/warmup model_repository/*/labels.txt
+	find model_repository -path '*/[0-9]*/*' ! -name model.py -delete

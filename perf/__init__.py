@@ -1,0 +1,1 @@
+"""Benchmarks with the real perf_analyzer (scenarios land with the perf issue)."""

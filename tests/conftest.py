@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny checkpoints, built engines, and one real tritonserver per test session."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from backends.server import TritonServer, free_port
+from build_engines.checkpoints import tiny_checkpoint
+from build_engines.cli import main as build_engines
+
+ROOT = Path(__file__).resolve().parents[1]
+REPOSITORY = ROOT / "model_repository"
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **save_args) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **save_args)
+    return buf.getvalue()
+
+
+def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels, mode)
+
+
+@pytest.fixture(scope="session")
+def vit_checkpoint() -> Path:
+    return tiny_checkpoint("vit", ROOT / ".checkpoints")
+
+
+@pytest.fixture(scope="session")
+def clip_checkpoint() -> Path:
+    return tiny_checkpoint("clip", ROOT / ".checkpoints")
+
+
+@pytest.fixture(scope="session")
+def repository(vit_checkpoint, clip_checkpoint) -> Path:
+    """The default tiny engines in model_repository/ (built once; skipped when up to date)."""
+    for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint)):
+        assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
+    return REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def server(repository) -> TritonServer:
+    """A real tritonserver on free ports, started by the same launcher `make serve` uses."""
+    with TritonServer(repository, free_port(), free_port(), free_port(),
+                      ROOT / "logs" / "test-tritonserver.log") as running:
+        yield running

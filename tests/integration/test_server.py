@@ -1,0 +1,46 @@
+"""Health, readiness and metadata over HTTP and gRPC; the launcher's lifecycle."""
+import pytest
+import tritonclient.grpc as grpc
+import tritonclient.http as http
+
+MODELS = ["vit", "clip_vision", "clip_text", "clip"]
+
+
+@pytest.fixture(params=["http", "grpc"])
+def triton(request, server):
+    if request.param == "http":
+        return http.InferenceServerClient(server.http_url)
+    return grpc.InferenceServerClient(server.grpc_url)
+
+
+def test_live_ready_and_server_metadata(triton):
+    assert triton.is_server_live() and triton.is_server_ready()
+    meta = triton.get_server_metadata()
+    version = meta["version"] if isinstance(meta, dict) else meta.version
+    assert version == "2.51.0"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_ready_and_metadata(triton, model):
+    assert triton.is_model_ready(model)
+    meta = triton.get_model_metadata(model)
+    inputs = meta["inputs"] if isinstance(meta, dict) else [{"name": i.name, "datatype": i.datatype} for i in meta.inputs]
+    assert {"name": "image", "datatype": "BYTES"} in [{"name": i["name"], "datatype": i["datatype"]} for i in inputs] \
+        or model == "clip_text"
+    config = triton.get_model_config(model)
+    config = config if isinstance(config, dict) else {"backend": config.config.backend}
+    assert config["backend"] == "python"
+
+
+def test_unknown_model_is_not_ready(server):
+    assert not http.InferenceServerClient(server.http_url).is_model_ready("no_such_model")
+
+
+def test_python_stub_runs_in_the_venv_with_numpy_below_2(server):
+    """numpy 2.x in the 2.51 stub makes outputs arrive with 0 bytes; the stub must see the venv's numpy<2."""
+    import numpy
+
+    assert int(numpy.__version__.split(".")[0]) < 2
+    config = http.InferenceServerClient(server.http_url).get_model_config("vit")
+    env = config["parameters"]["EXECUTION_ENV_PATH"]["string_value"]
+    assert env and (__import__("pathlib").Path(env) / "bin" / "python").exists()

@@ -1,0 +1,73 @@
+"""Bad input gets INVALID_ARG naming the problem, and the server keeps serving the next good request."""
+import re
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpc
+import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
+
+from client.sdk import Client
+from tests.conftest import encode, random_image
+from tests.unit.test_images import png_header_only
+
+GOOD = encode(random_image(64, 48))
+
+
+def image_column(*items):
+    return np.array([[x] for x in items], dtype=object)
+
+
+CASES = [  # (model, inputs, text the error must contain)
+    ("vit", {"image": image_column(b"\x00\x01garbage bytes")}, "not a known image format"),
+    ("vit", {"image": image_column(b"")}, "empty"),
+    ("vit", {"image": image_column(png_header_only(20000, 20000))}, "decompression bomb"),
+    ("vit", {"image": image_column(GOOD[:100])}, "corrupt or truncated"),
+    ("clip_vision", {"image": image_column(b"GIF89a broken")}, "corrupt|not a known image format"),
+    ("clip_text", {"text": image_column(("cat " * 200).encode())}, "above the tokenizer limit of 77"),
+    ("clip_text", {"text": image_column(b"\xff\xfe not utf-8")}, "not valid UTF-8"),
+    ("clip", {"image": np.array([b"nope"], dtype=object), "text": np.array([b"a cat"], dtype=object)},
+     "clip_vision: invalid input: image bytes"),
+    ("clip", {"image": np.array([GOOD], dtype=object), "text": np.array([("x " * 300).encode()], dtype=object)},
+     "clip_text: invalid input: text is"),
+    # dtype and shape are checked by Triton itself against config.pbtxt
+    ("vit", {"image": np.zeros((1, 1), dtype=np.float32)}, "data-type is .FP32., but model .vit. expects .BYTES."),
+    ("vit", {"image": image_column(GOOD, GOOD).reshape(1, 2)}, "unexpected shape|shape"),
+]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("model, inputs, message", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_is_invalid_arg_and_server_keeps_serving(server, protocol, model, inputs, message):
+    client = Client(server.http_url if protocol == "http" else server.grpc_url, protocol)
+    output = {"vit": "logits", "clip_vision": "image_embeds", "clip_text": "text_embeds", "clip": "scores"}[model]
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model, inputs, [output])
+    status = str(info.value.status())
+    assert status in ("400", "StatusCode.INVALID_ARGUMENT"), f"{status}: {info.value}"
+    assert re.search(message, info.value.message()), info.value.message()
+    assert "Traceback" not in info.value.message()
+    good = client.infer("vit", {"image": image_column(GOOD)}, ["logits"])["logits"]
+    assert good.shape == (1, 10) and np.isfinite(good).all()
+
+
+def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server):
+    """Requests merged by the dynamic batcher are validated one by one: only the bad one errors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i):
+        data = b"broken" if i % 4 == 0 else GOOD
+        try:
+            Client(server.http_url).infer("vit", {"image": image_column(data)}, ["logits"])
+            return "ok"
+        except InferenceServerException as exc:
+            return str(exc.status())
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(32)))
+    assert results == ["400" if i % 4 == 0 else "ok" for i in range(32)]
+
+
+def test_server_still_healthy_after_all_bad_input(server):
+    assert http.InferenceServerClient(server.http_url).is_server_ready()
+    assert grpc.InferenceServerClient(server.grpc_url).is_model_ready("clip")

@@ -86,21 +86,27 @@ def verify(spec: EngineSpec, run: Callable[[dict[str, np.ndarray]], dict[str, np
     return worst
 
 
+def tensorrt_unavailable() -> str | None:
+    """Why a TensorRT build cannot run here, or None when it can."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return "--runtime tensorrt needs the tensorrt Python package, which is not installed"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "--runtime tensorrt needs a CUDA GPU; none is visible"
+    return None
+
+
 def build_tensorrt(onnx_path: Path, plan_path: Path, precision: str, max_batch: int,
                    shapes: dict[str, tuple[int, ...]]) -> None:
     """ONNX -> TensorRT plan with the TensorRT 10 Python API (one optimisation profile over the batch axis).
 
-    Not verified in our environment: tensorrt cannot be installed there. Raises RuntimeError with a one-line reason
-    when tensorrt or a GPU is missing.
+    Not verified in our environment: tensorrt cannot be installed there (see `tensorrt_unavailable`).
     """
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise RuntimeError("--runtime tensorrt needs the tensorrt Python package, which is not installed") from None
-    import torch
+    import tensorrt as trt
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("--runtime tensorrt needs a CUDA GPU; none is visible")
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from build_engines.export import EngineSpec, build_tensorrt, export_onnx, export_torch, verify
+from build_engines.export import EngineSpec, build_tensorrt, export_onnx, export_torch, tensorrt_unavailable, verify
 from build_engines.repository import PythonModelConfig, Tensor, execution_env, sample_png, write_engine_metadata, \
     write_model
 
@@ -115,6 +115,8 @@ def text_inputs(vocab_size: int, eos_id: int):
 def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progress: Progress,
                  sample_shapes: dict[str, tuple[int, ...]]) -> float:
     """Export in the requested precision, verify against the fp32 module, write engine.json. Returns max error."""
+    if opts.runtime == "tensorrt" and (reason := tensorrt_unavailable()):
+        raise RuntimeError(reason)
     version_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("model.onnx", "model.onnx.data", "model.pt2", "model.plan"):
         (version_dir / stale).unlink(missing_ok=True)

@@ -1,0 +1,95 @@
+"""build_engines: generated configs are valid Triton protobuf, engines match PyTorch, unavailable runtimes fail
+with one clear line, and up-to-date builds are skipped."""
+import json
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from backends.encoders import ImageEncoder, TextEncoder
+from backends.runtime import TorchRuntime, load_runtime
+from build_engines.cli import main as build
+from build_engines.repository import PythonModelConfig, Tensor, serialize_bytes_tensor
+from tests.conftest import encode, random_image
+
+
+def test_config_renders_to_valid_triton_protobuf():
+    text = PythonModelConfig("vit", [Tensor("image", "BYTES", [1])], [Tensor("logits", "FP32", [10], "labels.txt")],
+                             max_batch_size=8, max_queue_delay_us=500, instances=2,
+                             parameters={"runtime": "auto"}, warmup_file="image").render()
+    config = text_format.Parse(text, mc.ModelConfig())
+    assert config.backend == "python" and config.max_batch_size == 8
+    assert config.dynamic_batching.max_queue_delay_microseconds == 500
+    assert config.output[0].label_filename == "labels.txt"
+    assert config.instance_group[0].count == 2
+    assert config.model_warmup[0].inputs["image"].input_data_file == "image"
+
+
+def test_unknown_config_keys_are_rejected():
+    with pytest.raises(ValueError):
+        mc.ModelConfig(name="x", no_such_field=1)
+
+
+def test_bytes_serialization_is_length_prefixed():
+    assert serialize_bytes_tensor([b"ab", b""]) == b"\x02\x00\x00\x00ab\x00\x00\x00\x00"
+
+
+def test_tensorrt_unavailable_exits_nonzero_with_one_line(tmp_path, vit_checkpoint, capsys):
+    code = build(["vit", "--checkpoint", str(vit_checkpoint), "--runtime", "tensorrt",
+                  "--repository", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 1
+    assert out[-1].startswith("build_engines vit: --runtime tensorrt needs")
+
+
+def test_bf16_onnx_is_refused_with_a_reason(tmp_path, vit_checkpoint, capsys):
+    assert build(["vit", "--checkpoint", str(vit_checkpoint), "--precision", "bf16", "--repository",
+                  str(tmp_path)]) == 1
+    assert "use --runtime torch for bf16" in capsys.readouterr().out
+
+
+def test_checkpoint_must_be_a_hf_directory(tmp_path):
+    with pytest.raises(SystemExit):
+        build(["vit", "--checkpoint", str(tmp_path)])
+
+
+@pytest.mark.parametrize("runtime, precision, atol", [("torch", "fp32", 1e-4), ("torch", "bf16", 0.15),
+                                                      ("onnxruntime", "fp16", 2e-2)])
+def test_vit_engines_match_reference(tmp_path, vit_checkpoint, runtime, precision, atol, capsys):
+    from tests.integration.reference import vit_logits
+
+    assert build(["vit", "--checkpoint", str(vit_checkpoint), "--runtime", runtime, "--precision", precision,
+                  "--repository", str(tmp_path)]) == 0
+    version_dir = tmp_path / "vit" / "1"
+    meta = json.loads((version_dir / "engine.json").read_text())
+    assert meta["precision"] == precision and meta["max_abs_error_vs_torch"] <= atol
+    encoder = ImageEncoder(version_dir)
+    assert encoder.engine.name == runtime
+    images = [encode(random_image(320, 240, seed=s)) for s in range(3)]
+    (got,) = encoder.infer([encoder.prepare(images)])
+    np.testing.assert_allclose(got, vit_logits(vit_checkpoint, images), atol=atol)
+    # same options again: skipped
+    assert build(["vit", "--checkpoint", str(vit_checkpoint), "--runtime", runtime, "--precision", precision,
+                  "--repository", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().endswith("vit: up to date")
+
+
+def test_torch_runtime_clip_text_handles_any_length(tmp_path, clip_checkpoint):
+    from tests.integration.reference import clip_outputs
+
+    assert build(["clip", "--checkpoint", str(clip_checkpoint), "--runtime", "torch",
+                  "--repository", str(tmp_path)]) == 0
+    encoder = TextEncoder(tmp_path / "clip_text" / "1")
+    assert isinstance(encoder.engine, TorchRuntime)
+    texts = ["a", "a photo of the cat and dog on grass", "red " * 40]
+    (got,) = encoder.infer([encoder.prepare([t.encode() for t in texts])])
+    _, expected, _ = clip_outputs(clip_checkpoint, encode(random_image(64, 64)), texts)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_load_runtime_reports_missing_engine(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no engine"):
+        load_runtime(tmp_path)
+    with pytest.raises(ValueError, match="unknown runtime"):
+        load_runtime(tmp_path, "tvm")

@@ -12,7 +12,7 @@ import numpy as np
 
 from backends.errors import InvalidInput
 from backends.images import DEFAULT_MAX_PIXELS, ImagePreprocessor, decode_image
-from backends.runtime import Runtime, load_runtime
+from backends.runtime import Runtime, runtime_from_params
 
 
 def split_rows(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
@@ -23,19 +23,15 @@ def split_rows(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
 class ImageEncoder:
     """Encoded images -> one output tensor (logits or embeddings), batched across requests."""
 
-    def __init__(self, version_dir: str | Path, runtime: str = "auto", device: str = "auto",
-                 max_pixels: int = DEFAULT_MAX_PIXELS, threads: int = 4):
+    def __init__(self, version_dir: str | Path, params: dict[str, str] | None = None):
+        """`params`: the model config's parameters (runtime choice, `max_pixels`, `decode_threads`)."""
+        params = params or {}
         version_dir = Path(version_dir)
         self.preprocess = ImagePreprocessor.from_json(version_dir / "preprocessor_config.json")
-        self.engine: Runtime = load_runtime(version_dir, runtime, device)
-        self.max_pixels = max_pixels
-        self.pool = ThreadPoolExecutor(threads)  # Pillow decodes and resizes without the GIL
-
-    @classmethod
-    def from_params(cls, version_dir: Path, params: dict[str, str]) -> ImageEncoder:
-        """Build from a model config's parameters (runtime, device, max_pixels)."""
-        return cls(version_dir, params.get("runtime", "auto"), params.get("device", "auto"),
-                   int(params.get("max_pixels", DEFAULT_MAX_PIXELS)))
+        self.engine: Runtime = runtime_from_params(version_dir, params)
+        self.max_pixels = int(params.get("max_pixels", DEFAULT_MAX_PIXELS))
+        # Pillow decodes and resizes without holding the GIL
+        self.pool = ThreadPoolExecutor(int(params.get("decode_threads", 4)))
 
     def _one(self, data: bytes) -> np.ndarray:
         return self.preprocess(decode_image(data, self.max_pixels))
@@ -54,18 +50,14 @@ class ImageEncoder:
 class TextEncoder:
     """Texts -> L2-normalised CLIP text embeddings. Texts over the tokenizer's limit are rejected, not truncated."""
 
-    def __init__(self, version_dir: str | Path, runtime: str = "auto", device: str = "auto"):
+    def __init__(self, version_dir: str | Path, params: dict[str, str] | None = None):
         from transformers import AutoTokenizer
 
         version_dir = Path(version_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(version_dir / "tokenizer")
         self.max_tokens = int(self.tokenizer.model_max_length)
         self.pad_id = int(self.tokenizer.pad_token_id)
-        self.engine: Runtime = load_runtime(version_dir, runtime, device)
-
-    @classmethod
-    def from_params(cls, version_dir: Path, params: dict[str, str]) -> TextEncoder:
-        return cls(version_dir, params.get("runtime", "auto"), params.get("device", "auto"))
+        self.engine: Runtime = runtime_from_params(version_dir, params or {})
 
     def prepare(self, texts: list[bytes]) -> list[list[int]]:
         if not texts:

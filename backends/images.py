@@ -112,9 +112,10 @@ class ImagePreprocessor:
         pixels = np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
         if self.do_center_crop and self.crop_size:
             pixels = center_crop(pixels, self.crop_size["height"], self.crop_size["width"])
-        out = pixels.astype(np.float32)
-        if self.do_rescale:
+        if self.do_rescale:  # float64 then float32, as transformers' rescale
             out = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        else:
+            out = pixels.astype(np.float32)
         if self.do_normalize:
             mean = np.asarray(self.image_mean, dtype=np.float32)[:, None, None]
             std = np.asarray(self.image_std, dtype=np.float32)[:, None, None]

@@ -112,35 +112,27 @@ class TensorRTRuntime(Runtime):
         self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
 
+    def torch_dtype(self, name: str):
+        return getattr(self.torch, np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name))).name)
+
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        torch, trt = self.torch, self.trt
+        torch = self.torch
         stream = torch.cuda.current_stream()
         keep = []
         for name in self.inputs:
-            dtype = _TORCH_FROM_NP[trt.nptype(self.engine.get_tensor_dtype(name))]
+            dtype = self.torch_dtype(name)
             tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to("cuda", dtype)
             self.context.set_input_shape(name, tuple(tensor.shape))
             self.context.set_tensor_address(name, tensor.data_ptr())
             keep.append(tensor)
         results = {}
         for name in self.outputs:
-            dtype = _TORCH_FROM_NP[trt.nptype(self.engine.get_tensor_dtype(name))]
+            dtype = self.torch_dtype(name)
             results[name] = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=dtype, device="cuda")
             self.context.set_tensor_address(name, results[name].data_ptr())
         self.context.execute_async_v3(stream.cuda_stream)
         stream.synchronize()
         return {n: t.float().cpu().numpy() for n, t in results.items()}
-
-
-def _torch_from_np() -> dict:
-    try:
-        import torch
-    except ImportError:
-        return {}
-    return {np.float32: torch.float32, np.float16: torch.float16, np.int32: torch.int32, np.int64: torch.int64}
-
-
-_TORCH_FROM_NP = _torch_from_np()
 
 
 def available_runtimes(version_dir: Path) -> list[str]:
@@ -167,3 +159,9 @@ def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "
         precision = json.loads((version_dir / "engine.json").read_text()).get("precision", "fp32")
         return TorchRuntime(path, device, precision, compile)
     return TensorRTRuntime(path)
+
+
+def runtime_from_params(version_dir: str | Path, params: dict[str, str]) -> Runtime:
+    """The engine a model config asks for: parameters `runtime`, `device` and `torch_compile` ("true"/"false")."""
+    return load_runtime(version_dir, params.get("runtime", "auto"), params.get("device", "auto"),
+                        params.get("torch_compile", "false").lower() == "true")

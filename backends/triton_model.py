@@ -29,7 +29,8 @@ def bytes_items(array: np.ndarray) -> list[bytes]:
 class BatchedTritonModel:
     """Python-backend model whose requests are prepared one by one and inferred together.
 
-    `encoder_factory(version_dir, params)` builds an object with prepare(list[bytes]) and infer(list[prepared]).
+    `encoder_factory(version_dir, params)` builds an object with prepare(list[bytes]) and infer(list[prepared]);
+    params are the model config's parameters.
     """
 
     def __init__(self, encoder_factory: Callable[[Path, dict[str, str]], Any]):

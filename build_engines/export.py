@@ -37,14 +37,14 @@ def _dynamic_shapes(spec: EngineSpec):
     return shapes
 
 
-def _example(spec: EngineSpec, batch: int) -> dict:
-    return spec.make_inputs(batch)
+def export_onnx(spec: EngineSpec, path: Path) -> None:
+    import logging
 
-
-def export_onnx(spec: EngineSpec, path: Path, precision: str = "fp32") -> None:
     import torch
 
-    example = _example(spec, 2)
+    # the exporter warns once per torchvision op it cannot register; torchvision is not used here
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    example = spec.make_inputs(2)
     program = torch.export.export(spec.module, (), kwargs=example, dynamic_shapes=_dynamic_shapes(spec), strict=False)
     onnx_program = torch.onnx.export(program, (), kwargs=example, input_names=list(example),
                                      output_names=spec.outputs, dynamo=True, verbose=False)
@@ -54,7 +54,7 @@ def export_onnx(spec: EngineSpec, path: Path, precision: str = "fp32") -> None:
 def export_torch(spec: EngineSpec, path: Path) -> None:
     import torch
 
-    example = _example(spec, 2)
+    example = spec.make_inputs(2)
     program = torch.export.export(spec.module, tuple(example.values()), dynamic_shapes=tuple(
         _dynamic_shapes(spec).get(name) for name in example), strict=False)
     torch.export.save(program, str(path))

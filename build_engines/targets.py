@@ -146,14 +146,10 @@ def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progre
             build_tensorrt(version_dir / "model.onnx", version_dir / "model.plan", opts.precision,
                            opts.max_batch_size, sample_shapes)
     write_engine_metadata(version_dir, runtime=opts.runtime, precision=opts.precision, outputs=spec.outputs,
-                          max_abs_error_vs_torch=error, fingerprint=opts.fingerprint(spec_family(version_dir)),
+                          max_abs_error_vs_torch=error, fingerprint=opts.fingerprint(version_dir.parent.name),
                           checkpoint=str(opts.checkpoint.resolve()))
     print(f"    max |engine - torch| = {error:.2e} (tolerance by precision: see build_engines/export.py)")
     return error
-
-
-def spec_family(version_dir: Path) -> str:
-    return version_dir.parent.name
 
 
 def up_to_date(opts: BuildOptions, names: list[str]) -> bool:

@@ -44,3 +44,28 @@ def test_python_stub_runs_in_the_venv_with_numpy_below_2(server):
     config = http.InferenceServerClient(server.http_url).get_model_config("vit")
     env = config["parameters"]["EXECUTION_ENV_PATH"]["string_value"]
     assert env and (__import__("pathlib").Path(env) / "bin" / "python").exists()
+
+
+def test_explicit_model_control_loads_and_unloads_on_request(repository, tmp_path):
+    """A second server, started by the same launcher in explicit mode with only `vit` loaded."""
+    from backends.server import TritonServer, free_port
+
+    server = TritonServer(repository, free_port(), free_port(), free_port(), tmp_path / "explicit.log",
+                          model_control="explicit", load_models=["vit"])
+    with server:
+        triton = http.InferenceServerClient(server.http_url)
+        assert triton.is_model_ready("vit") and not triton.is_model_ready("clip_text")
+        triton.load_model("clip_text")
+        assert triton.is_model_ready("clip_text")
+        triton.unload_model("clip_text")
+        assert not triton.is_model_ready("clip_text")
+        triton.close()  # an open keep-alive connection would hold shutdown for the whole exit timeout
+    assert server.process.returncode == 0  # SIGINT: a clean shutdown
+    assert "successfully unloaded 'vit'" in (tmp_path / "explicit.log").read_text()
+
+
+def test_launcher_refuses_a_port_in_use(server, repository):
+    from backends.server import TritonServer
+
+    with pytest.raises(RuntimeError, match="already in use"):
+        TritonServer(repository, server.http_port, server.grpc_port, server.metrics_port).start()

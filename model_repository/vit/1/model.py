@@ -5,4 +5,4 @@ from backends.triton_model import BatchedTritonModel
 
 class TritonPythonModel(BatchedTritonModel):
     def __init__(self) -> None:
-        super().__init__(ImageEncoder.from_params)
+        super().__init__(ImageEncoder)

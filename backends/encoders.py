@@ -1,11 +1,11 @@
 """Pure (server-free) encoders behind the vit, clip_vision and clip_text models: inputs in, float32 arrays out.
 
-Each has `prepare(items)` (per request: validates and turns client data into model inputs, raising InvalidInput)
-and `infer(prepared)` (one engine call for all requests of a Triton batch, split back per request).
+Each has `prepare_item(bytes)` (validates one client item and turns it into model input, raising InvalidInput) and
+`infer(per_request_items)` (one engine call for all requests of a Triton batch, split back per request).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from pathlib import Path
 
 import numpy as np
@@ -20,29 +20,37 @@ def split_rows(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
     return np.split(array, np.cumsum(counts)[:-1])
 
 
+def prepare_requests(encoder, pool: Executor, requests: list[list[bytes]]) -> list[list | InvalidInput]:
+    """Prepare every item of every request of one Triton batch in parallel (Pillow and the tokenizer release the
+    GIL); a request whose item is bad becomes its InvalidInput, the others are unaffected."""
+    futures = [[pool.submit(encoder.prepare_item, item) for item in items] for items in requests]
+    prepared: list[list | InvalidInput] = []
+    for items, pending in zip(requests, futures):
+        try:
+            if not items:
+                raise InvalidInput("the request holds no item")
+            prepared.append([f.result() for f in pending])
+        except InvalidInput as exc:
+            prepared.append(exc)
+    return prepared
+
+
 class ImageEncoder:
     """Encoded images -> one output tensor (logits or embeddings), batched across requests."""
 
     def __init__(self, version_dir: str | Path, params: dict[str, str] | None = None):
-        """`params`: the model config's parameters (runtime choice, `max_pixels`, `decode_threads`)."""
+        """`params`: the model config's parameters (runtime choice, `max_pixels`)."""
         params = params or {}
         version_dir = Path(version_dir)
         self.preprocess = ImagePreprocessor.from_json(version_dir / "preprocessor_config.json")
         self.engine: Runtime = runtime_from_params(version_dir, params)
         self.max_pixels = int(params.get("max_pixels", DEFAULT_MAX_PIXELS))
-        # Pillow decodes and resizes without holding the GIL
-        self.pool = ThreadPoolExecutor(int(params.get("decode_threads", 4)))
 
-    def _one(self, data: bytes) -> np.ndarray:
+    def prepare_item(self, data: bytes) -> np.ndarray:
         return self.preprocess(decode_image(data, self.max_pixels))
 
-    def prepare(self, images: list[bytes]) -> np.ndarray:
-        if not images:
-            raise InvalidInput("no image in the request")
-        return np.stack(list(self.pool.map(self._one, images)))
-
-    def infer(self, batches: list[np.ndarray]) -> list[np.ndarray]:
-        result = self.engine.run({"pixel_values": np.concatenate(batches)})
+    def infer(self, batches: list[list[np.ndarray]]) -> list[np.ndarray]:
+        result = self.engine.run({"pixel_values": np.stack([x for batch in batches for x in batch])})
         (output,) = result.values()
         return split_rows(output, [len(b) for b in batches])
 
@@ -59,21 +67,16 @@ class TextEncoder:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.engine: Runtime = runtime_from_params(version_dir, params or {})
 
-    def prepare(self, texts: list[bytes]) -> list[list[int]]:
-        if not texts:
-            raise InvalidInput("no text in the request")
-        ids = []
-        for raw in texts:
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidInput(f"text is not valid UTF-8: {exc}") from None
-            tokens = self.tokenizer(text)["input_ids"]
-            if len(tokens) > self.max_tokens:
-                raise InvalidInput(f"text is {len(tokens)} tokens long, above the tokenizer limit of "
-                                   f"{self.max_tokens} tokens")
-            ids.append(tokens)
-        return ids
+    def prepare_item(self, raw: bytes) -> list[int]:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"text is not valid UTF-8: {exc}") from None
+        tokens = self.tokenizer(text)["input_ids"]
+        if len(tokens) > self.max_tokens:
+            raise InvalidInput(f"text is {len(tokens)} tokens long, above the tokenizer limit of "
+                               f"{self.max_tokens} tokens")
+        return tokens
 
     def infer(self, batches: list[list[list[int]]]) -> list[np.ndarray]:
         rows = [ids for batch in batches for ids in batch]

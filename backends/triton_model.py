@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from backends.encoders import prepare_requests
 from backends.errors import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -29,8 +31,8 @@ def bytes_items(array: np.ndarray) -> list[bytes]:
 class BatchedTritonModel:
     """Python-backend model whose requests are prepared one by one and inferred together.
 
-    `encoder_factory(version_dir, params)` builds an object with prepare(list[bytes]) and infer(list[prepared]);
-    params are the model config's parameters.
+    `encoder_factory(version_dir, params)` builds an object with prepare_item(bytes) and infer(list[list[item]]);
+    params are the model config's parameters (`prepare_threads` sizes the preprocessing pool).
     """
 
     def __init__(self, encoder_factory: Callable[[Path, dict[str, str]], Any]):
@@ -46,17 +48,18 @@ class BatchedTritonModel:
         self.output_name = config["output"][0]["name"]
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.encoder = self.encoder_factory(version_dir, self.params)
+        self.pool = ThreadPoolExecutor(int(self.params.get("prepare_threads", 4)))
 
     def execute(self, requests: list) -> list:
         pb = self.pb
         responses: list = [None] * len(requests)
+        items = [bytes_items(pb.get_input_tensor_by_name(r, self.input_name).as_numpy()) for r in requests]
         prepared: list[tuple[int, Any]] = []
-        for i, request in enumerate(requests):
-            try:
-                items = bytes_items(pb.get_input_tensor_by_name(request, self.input_name).as_numpy())
-                prepared.append((i, self.encoder.prepare(items)))
-            except InvalidInput as exc:
-                responses[i] = pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
+        for i, result in enumerate(prepare_requests(self.encoder, self.pool, items)):
+            if isinstance(result, InvalidInput):
+                responses[i] = pb.InferenceResponse(error=pb.TritonError(str(result), pb.TritonError.INVALID_ARG))
+            else:
+                prepared.append((i, result))
         if prepared:
             try:
                 outputs = self.encoder.infer([p for _, p in prepared])
@@ -72,4 +75,5 @@ class BatchedTritonModel:
         return responses
 
     def finalize(self) -> None:
+        self.pool.shutdown()
         self.encoder = None

@@ -1,5 +1,107 @@
-import sys
+"""`make bench`: perf_analyzer sweeps (concurrency and request rate) per model against a server started here,
+the in-process baseline beside each, and the dynamic-batching study on vit. Results: perf/results/<host>/."""
+from __future__ import annotations
 
-print("perf: no scenarios yet (they land with the perf/ issue); perf_analyzer itself is exercised by "
-      "tests/integration/test_perf_analyzer.py")
-sys.exit(0)
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import tritonclient.http as http
+
+from backends.server import TritonServer, free_port
+from backends.triton_model import model_parameters
+from perf.analyzer import LoadPoint, run_perf_analyzer
+from perf.baseline import in_process_throughput
+from perf.inputs import TEXT_SET, encoded_images, model_input_data
+from perf.report import hardware_line, write_sweep, write_table
+
+
+def sweep(model: str, server: TritonServer, data: Path, tmp: Path, kind: str, levels: list[float],
+          interval_ms: int) -> list[LoadPoint]:
+    """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear)."""
+    points = []
+    for level in levels:
+        value = f"{level:g}"
+        args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
+        points += run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
+                                    interval_ms=interval_ms, **args)
+    return points
+
+
+def bench_model(model: str, server: TritonServer, repository: Path, results: Path, tmp: Path,
+                concurrency: list[int], interval_ms: int, hardware: str) -> None:
+    data = model_input_data(model, tmp)
+    by_concurrency = sweep(model, server, data, tmp, "concurrency", concurrency, interval_ms)
+    peak = max(p.throughput for p in by_concurrency)
+    rates = [round(peak * f, 1) for f in (0.25, 0.5, 0.75)]
+    by_rate = sweep(model, server, data, tmp, "request_rate", rates, interval_ms)
+    config = http.InferenceServerClient(server.http_url).get_model_config(model)
+    items = [t.encode() for t in TEXT_SET] if model == "clip_text" else encoded_images()
+    batch = max(concurrency)
+    baseline = in_process_throughput(repository / model / "1", model_parameters(config), items, batch)
+    note = (f"In-process baseline (same encoder, same inputs, batch {batch}, called directly): {baseline:.1f} "
+            f"infer/s. Triton peak / in-process = {peak:.1f} / {baseline:.1f} = {peak / baseline:.2f}.")
+    write_sweep(results, f"{model}-concurrency", "concurrency", by_concurrency, hardware, [note])
+    write_sweep(results, f"{model}-request-rate", "request rate (req/s)", by_rate, hardware,
+                [f"Rates are 25/50/75% of the concurrency sweep's peak ({peak:.1f} infer/s)."])
+    print(f"{model}: peak {peak:.1f} infer/s, in-process {baseline:.1f}, ratio {peak / baseline:.2f}", flush=True)
+
+
+def batching_study(repository: Path, results: Path, tmp: Path, interval_ms: int, hardware: str,
+                   delays_us=(0, 1000, 15000), concurrencies=(1, 64)) -> None:
+    """vit under the same load with different dynamic-batcher windows (explicit mode, config override reloads)."""
+    rows = []
+    server = TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-batching.log"),
+                          model_control="explicit", load_models=["vit"])
+    with server:
+        client = http.InferenceServerClient(server.http_url)
+        config = client.get_model_config("vit")
+        data = model_input_data("vit", tmp)
+        for delay in delays_us:
+            config["dynamic_batching"]["max_queue_delay_microseconds"] = delay
+            client.load_model("vit", config=json.dumps(config))
+            for concurrency in concurrencies:
+                before = client.get_inference_statistics("vit")["model_stats"][0]
+                (point,) = run_perf_analyzer("vit", server.grpc_url, data, tmp / f"batching-{delay}-{concurrency}.csv",
+                                             concurrency=str(concurrency), interval_ms=interval_ms)
+                after = client.get_inference_statistics("vit")["model_stats"][0]
+                execs = int(after["execution_count"]) - int(before["execution_count"])
+                infers = int(after["inference_count"]) - int(before["inference_count"])
+                rows.append([delay / 1000, concurrency, point.throughput, point.p50_us / 1e3, point.p99_us / 1e3,
+                             point.server_queue_us / 1e3, infers / max(execs, 1)])
+        client.close()
+    write_table(results, "vit-dynamic-batching", ["max_queue_delay ms", "concurrency", "infer/s", "p50 ms",
+                                                  "p99 ms", "queue ms", "avg batch"], rows, hardware,
+                ["Same vit engine and image set; avg batch = inferences / executions from the server's statistics "
+                 "over the whole perf_analyzer run (warm-up included)."])
+    print("vit dynamic-batching study written", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
+    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--models", nargs="+", default=["vit", "clip_vision", "clip_text"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--interval-ms", type=int, default=2000, help="perf_analyzer measurement window")
+    parser.add_argument("--skip-batching-study", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp_name, TritonServer(
+            args.repository, free_port(), free_port(), free_port(), Path("logs/bench-tritonserver.log")) as server:
+        tmp = Path(tmp_name)
+        version = http.InferenceServerClient(server.http_url).get_server_metadata()["version"]
+        hardware = hardware_line(version)
+        print(hardware, flush=True)
+        for model in args.models:
+            bench_model(model, server, args.repository, args.results, tmp, args.concurrency, args.interval_ms,
+                        hardware)
+    if not args.skip_batching_study:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            batching_study(args.repository, args.results, Path(tmp_name), args.interval_ms, hardware)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

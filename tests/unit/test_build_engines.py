@@ -67,7 +67,7 @@ def test_vit_engines_match_reference(tmp_path, vit_checkpoint, runtime, precisio
     encoder = ImageEncoder(version_dir)
     assert encoder.engine.name == runtime
     images = [encode(random_image(320, 240, seed=s)) for s in range(3)]
-    (got,) = encoder.infer([encoder.prepare(images)])
+    (got,) = encoder.infer([[encoder.prepare_item(x) for x in images]])
     np.testing.assert_allclose(got, vit_logits(vit_checkpoint, images), atol=atol)
     # same options again: skipped
     assert build(["vit", "--checkpoint", str(vit_checkpoint), "--runtime", runtime, "--precision", precision,
@@ -83,7 +83,7 @@ def test_torch_runtime_clip_text_handles_any_length(tmp_path, clip_checkpoint):
     encoder = TextEncoder(tmp_path / "clip_text" / "1")
     assert isinstance(encoder.engine, TorchRuntime)
     texts = ["a", "a photo of the cat and dog on grass", "red " * 40]
-    (got,) = encoder.infer([encoder.prepare([t.encode() for t in texts])])
+    (got,) = encoder.infer([[encoder.prepare_item(t.encode()) for t in texts]])
     _, expected, _ = clip_outputs(clip_checkpoint, encode(random_image(64, 64)), texts)
     np.testing.assert_allclose(got, expected, atol=1e-4)
 

@@ -1,0 +1,56 @@
+"""Run the real perf_analyzer and read its CSV: throughput, latency percentiles, server-side breakdown."""
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PERF_ANALYZER = Path(sys.prefix) / "bin" / "perf_analyzer"
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One measured load level. Latencies in microseconds, as perf_analyzer reports them."""
+
+    load: float  # concurrency or request rate (req/s)
+    throughput: float  # inferences/s
+    p50_us: int
+    p90_us: int
+    p99_us: int
+    server_queue_us: int
+    server_compute_input_us: int
+    server_compute_infer_us: int
+    server_compute_output_us: int
+
+
+def parse_csv(path: Path) -> list[LoadPoint]:
+    """perf_analyzer's `-f` CSV (with --verbose-csv), sorted by load (the file is sorted by throughput)."""
+    points = []
+    for row in csv.DictReader(path.open()):
+        load = row.get("Concurrency") or row.get("Request Rate")
+        if load is None:
+            raise ValueError(f"{path}: no Concurrency or Request Rate column")
+        points.append(LoadPoint(float(load), float(row["Inferences/Second"]), int(row["p50 latency"]),
+                                int(row["p90 latency"]), int(row["p99 latency"]), int(row["Server Queue"]),
+                                int(row["Server Compute Input"]), int(row["Server Compute Infer"]),
+                                int(row["Server Compute Output"])))
+    return sorted(points, key=lambda p: p.load)
+
+
+def run_perf_analyzer(model: str, url: str, input_data: Path, csv_path: Path, *, concurrency: str | None = None,
+                      request_rate: str | None = None, protocol: str = "grpc", interval_ms: int = 2000,
+                      extra: list[str] | None = None, timeout_s: float = 600) -> list[LoadPoint]:
+    """One sweep: `concurrency="1:16:4"` or `request_rate="10:40:10"` (perf_analyzer's start:end:step)."""
+    if (concurrency is None) == (request_rate is None):
+        raise ValueError("give exactly one of concurrency or request_rate")
+    sweep = ["--concurrency-range", concurrency] if concurrency else ["--request-rate-range", request_rate]
+    cmd = [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", protocol, "--input-data", str(input_data), *sweep,
+           "--measurement-interval", str(interval_ms), "--stability-percentage", "100", "--max-trials", "6",
+           "--percentile=99", "-f", str(csv_path), "--verbose-csv", *(extra or [])]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if run.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed ({run.returncode}): {' '.join(cmd)}\n{run.stdout[-3000:]}"
+                           f"{run.stderr[-2000:]}")
+    return parse_csv(csv_path)

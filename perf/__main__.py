@@ -64,8 +64,11 @@ def batching_study(repository: Path, results: Path, tmp: Path, interval_ms: int,
             client.load_model("vit", config=json.dumps(config))
             for concurrency in concurrencies:
                 before = client.get_inference_statistics("vit")["model_stats"][0]
+                # windows of 2x concurrency requests: at high load one request can outlast a fixed time window
+                windows = ["--measurement-mode", "count_windows", "--measurement-request-count", str(2 * concurrency)]
                 (point,) = run_perf_analyzer("vit", server.grpc_url, data, tmp / f"batching-{delay}-{concurrency}.csv",
-                                             concurrency=str(concurrency), interval_ms=interval_ms)
+                                             concurrency=str(concurrency), interval_ms=interval_ms,
+                                             extra=windows if concurrency > 8 else None)
                 after = client.get_inference_statistics("vit")["model_stats"][0]
                 execs = int(after["execution_count"]) - int(before["execution_count"])
                 infers = int(after["inference_count"]) - int(before["inference_count"])

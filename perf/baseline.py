@@ -2,6 +2,7 @@
 so a report can show Triton throughput / in-process throughput (the serving overhead) from one run."""
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,13 +12,18 @@ from backends.encoders import ImageEncoder, TextEncoder, prepare_requests
 
 def in_process_throughput(version_dir: Path, params: dict[str, str], items: list[bytes], batch: int,
                           seconds: float = 3.0) -> float:
-    """Items/s of prepare + infer over `batch`-sized groups cycling through `items`, for about `seconds`."""
+    """Items/s of prepare + infer over `batch`-sized groups cycling through all `items` (as perf_analyzer cycles
+    through its input data), for about `seconds`."""
     encoder = (TextEncoder if (version_dir / "tokenizer").exists() else ImageEncoder)(version_dir, params)
     pool = ThreadPoolExecutor(int(params.get("prepare_threads", 4)))  # as the Triton adapter does
-    requests = [[items[i % len(items)]] for i in range(batch)]  # a dynamic batch of one-item requests
-    encoder.infer(prepare_requests(encoder, pool, requests))  # warm-up
+    stream = itertools.cycle(items)
+
+    def next_batch() -> list[list[bytes]]:  # a dynamic batch of one-item requests
+        return [[next(stream)] for _ in range(batch)]
+
+    encoder.infer(prepare_requests(encoder, pool, next_batch()))  # warm-up
     done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        encoder.infer(prepare_requests(encoder, pool, requests))
+    while time.perf_counter() - start < seconds or done < len(items):
+        encoder.infer(prepare_requests(encoder, pool, next_batch()))
         done += batch
     return done / (time.perf_counter() - start)

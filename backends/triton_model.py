@@ -29,7 +29,7 @@ def bytes_items(array: np.ndarray) -> list[bytes]:
 
 
 class BatchedTritonModel:
-    """Python-backend model whose requests are prepared one by one and inferred together.
+    """Python-backend model whose requests are prepared in parallel, each validated on its own, and inferred together.
 
     `encoder_factory(version_dir, params)` builds an object with prepare_item(bytes) and infer(list[list[item]]);
     params are the model config's parameters (`prepare_threads` sizes the preprocessing pool).

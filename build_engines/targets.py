@@ -163,7 +163,7 @@ def up_to_date(opts: BuildOptions, names: list[str]) -> bool:
 
 
 def common_parameters(opts: BuildOptions) -> dict[str, str]:
-    params = {"runtime": opts.runtime if opts.runtime != "tensorrt" else "tensorrt", "device": opts.device}
+    params = {"runtime": opts.runtime, "device": opts.device}
     env = execution_env(opts.execution_env)
     if env:
         params["EXECUTION_ENV_PATH"] = env

@@ -1,4 +1,6 @@
 """Health, readiness and metadata over HTTP and gRPC; the launcher's lifecycle."""
+from pathlib import Path
+
 import pytest
 import tritonclient.grpc as grpc
 import tritonclient.http as http
@@ -43,7 +45,7 @@ def test_python_stub_runs_in_the_venv_with_numpy_below_2(server):
     assert int(numpy.__version__.split(".")[0]) < 2
     config = http.InferenceServerClient(server.http_url).get_model_config("vit")
     env = config["parameters"]["EXECUTION_ENV_PATH"]["string_value"]
-    assert env and (__import__("pathlib").Path(env) / "bin" / "python").exists()
+    assert env and (Path(env) / "bin" / "python").exists()
 
 
 def test_explicit_model_control_loads_and_unloads_on_request(repository, tmp_path):

@@ -35,7 +35,7 @@ class Runtime(ABC):
 class OnnxRuntime(Runtime):
     name = "onnxruntime"
 
-    def __init__(self, path: Path, device: str = "auto", threads: int = 0):
+    def __init__(self, path: Path, device: str = "auto"):
         import onnxruntime as ort
 
         providers = ["CPUExecutionProvider"]
@@ -43,9 +43,7 @@ class OnnxRuntime(Runtime):
             providers.insert(0, "CUDAExecutionProvider")
         elif device == "cuda":
             raise RuntimeUnavailable("onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.session = ort.InferenceSession(str(path), providers=providers)
         self.device = "cuda" if providers[0].startswith("CUDA") else "cpu"
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
 
@@ -62,7 +60,8 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
 class TorchRuntime(Runtime):
     name = "torch"
 
-    def __init__(self, path: Path, device: str = "auto", dtype: str = "fp32", compile: bool = False):
+    def __init__(self, path: Path, output_names: list[str], device: str = "auto", dtype: str = "fp32",
+                 compile: bool = False):
         import torch
 
         if device == "auto":
@@ -74,7 +73,7 @@ class TorchRuntime(Runtime):
         program = torch.export.load(str(path))
         self.input_names = [spec.arg.name for spec in program.graph_signature.input_specs
                             if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-        self.output_names = json.loads((path.parent / "engine.json").read_text())["outputs"]
+        self.output_names = output_names  # a torch.export program's outputs carry no names
         module = program.module().to(device)
         self.module = torch.compile(module, dynamic=True) if compile else module
 
@@ -156,8 +155,8 @@ def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "
     if runtime == "onnxruntime":
         return OnnxRuntime(path, device)
     if runtime == "torch":
-        precision = json.loads((version_dir / "engine.json").read_text()).get("precision", "fp32")
-        return TorchRuntime(path, device, precision, compile)
+        meta = json.loads((version_dir / "engine.json").read_text())
+        return TorchRuntime(path, meta["outputs"], device, meta["precision"], compile)
     return TensorRTRuntime(path)
 
 

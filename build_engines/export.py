@@ -11,6 +11,10 @@ from typing import Callable
 
 import numpy as np
 
+class VerificationError(RuntimeError):
+    """The exported engine does not compute what the PyTorch module computes."""
+
+
 # Max |engine - torch| allowed on random inputs, by precision. fp32 differences come from kernel order only.
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 1e-1}
 
@@ -79,10 +83,10 @@ def verify(spec: EngineSpec, run: Callable[[dict[str, np.ndarray]], dict[str, np
         got = run({k: v.numpy() for k, v in inputs.items()})
         for name, ref in zip(spec.outputs, expected):
             if got[name].shape != ref.shape:
-                raise AssertionError(f"{name}: engine shape {got[name].shape} != reference {ref.shape}")
+                raise VerificationError(f"{name}: engine shape {got[name].shape} != reference {ref.shape}")
             worst = max(worst, float(np.abs(got[name].astype(np.float32) - ref).max()))
     if worst > TOLERANCE[precision]:
-        raise AssertionError(f"engine differs from PyTorch by {worst:.3g} > {TOLERANCE[precision]} ({precision})")
+        raise VerificationError(f"engine differs from PyTorch by {worst:.3g} > {TOLERANCE[precision]} ({precision})")
     return worst
 
 
@@ -99,9 +103,22 @@ def tensorrt_unavailable() -> str | None:
     return None
 
 
-def build_tensorrt(onnx_path: Path, plan_path: Path, precision: str, max_batch: int,
-                   shapes: dict[str, tuple[int, ...]]) -> None:
-    """ONNX -> TensorRT plan with the TensorRT 10 Python API (one optimisation profile over the batch axis).
+def profile_shapes(spec: EngineSpec, max_batch: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """(min, opt, max) shape per input for a TensorRT optimisation profile, from the spec's dynamic axes: the batch
+    axis spans 1..max_batch, other dynamic axes 1..their declared maximum, static axes keep the example's size."""
+    profiles = {}
+    for name, tensor in spec.make_inputs(1).items():
+        axes = spec.dynamic_axes.get(name, {})
+        top = [(max_batch if axis == 0 else axes[axis][1]) if axis in axes else size
+               for axis, size in enumerate(tensor.shape)]
+        low = [1 if axis in axes else size for axis, size in enumerate(tensor.shape)]
+        profiles[name] = (tuple(low), tuple(max(1, (a + b) // 2) for a, b in zip(low, top)), tuple(top))
+    return profiles
+
+
+def build_tensorrt(onnx_path: Path, plan_path: Path, precision: str,
+                   profiles: dict[str, tuple[tuple[int, ...], ...]]) -> None:
+    """fp32 ONNX -> TensorRT plan with the TensorRT 10 Python API; `precision` picks the builder's kernels.
 
     Not verified in our environment: tensorrt cannot be installed there (see `tensorrt_unavailable`).
     """
@@ -120,8 +137,8 @@ def build_tensorrt(onnx_path: Path, plan_path: Path, precision: str, max_batch: 
     elif precision == "bf16":
         config.set_flag(trt.BuilderFlag.BF16)
     profile = builder.create_optimization_profile()
-    for name, shape in shapes.items():  # shape excludes batch
-        profile.set_shape(name, (1, *shape), (max(1, max_batch // 2), *shape), (max_batch, *shape))
+    for name, (low, opt, top) in profiles.items():
+        profile.set_shape(name, low, opt, top)
     config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
     if plan is None:

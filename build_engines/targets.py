@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from build_engines.export import EngineSpec, build_tensorrt, export_onnx, export_torch, tensorrt_unavailable, verify
+from build_engines.export import EngineSpec, build_tensorrt, export_onnx, export_torch, profile_shapes, \
+    tensorrt_unavailable, verify
 from build_engines.repository import PythonModelConfig, Tensor, execution_env, sample_png, write_engine_metadata, \
     write_model
 
@@ -33,11 +34,12 @@ class BuildOptions:
     force: bool = False
 
     def fingerprint(self, family: str) -> str:
-        """Changes whenever the checkpoint or an option that shapes the artefacts changes."""
+        """Changes whenever the checkpoint, an option that shapes the artefacts or the builder's own code changes."""
         weights = sorted(p for p in self.checkpoint.iterdir() if p.is_file())
         stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
         options = {k: str(v) for k, v in asdict(self).items() if k != "force"}
-        return hashlib.sha256(json.dumps([family, options, stamp]).encode()).hexdigest()[:16]
+        code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py"))))
+        return hashlib.sha256(json.dumps([family, options, stamp, code.hexdigest()]).encode()).hexdigest()[:16]
 
 
 class Progress:
@@ -112,39 +114,40 @@ def text_inputs(vocab_size: int, eos_id: int):
     return make
 
 
-def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progress: Progress,
-                 sample_shapes: dict[str, tuple[int, ...]]) -> float:
-    """Export in the requested precision, verify against the fp32 module, write engine.json. Returns max error."""
+def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progress: Progress) -> float:
+    """Export in the requested precision, verify against the fp32 module, write engine.json. Returns max error.
+
+    TensorRT builds from an fp32 ONNX graph (verified like any other) and applies the precision in its builder."""
     if opts.runtime == "tensorrt" and (reason := tensorrt_unavailable()):
         raise RuntimeError(reason)
+    if opts.runtime == "onnxruntime" and opts.precision == "bf16":
+        raise RuntimeError("onnxruntime has no bf16 kernels for these models: use --runtime torch for bf16")
     version_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("model.onnx", "model.onnx.data", "model.pt2", "model.plan"):
         (version_dir / stale).unlink(missing_ok=True)
-    dtype = DTYPES[opts.precision]
+    export_precision = "fp32" if opts.runtime == "tensorrt" else opts.precision
+    dtype = DTYPES[export_precision]
     typed = EngineSpec(copy.deepcopy(spec.module).to(dtype),
                        lambda b: {k: v.to(dtype) if v.is_floating_point() else v for k, v in spec.make_inputs(b).items()},
                        spec.dynamic_axes, spec.outputs)
-    write_engine_metadata(version_dir, runtime=opts.runtime, precision=opts.precision, outputs=spec.outputs)
     if opts.runtime == "torch":
         from backends.runtime import TorchRuntime
 
         with progress.step(f"exporting torch program ({opts.precision})"):
             export_torch(typed, version_dir / "model.pt2")
-        engine = TorchRuntime(version_dir / "model.pt2", "cpu", opts.precision)
+        engine = TorchRuntime(version_dir / "model.pt2", spec.outputs, "cpu", opts.precision)
     else:
         from backends.runtime import OnnxRuntime
 
-        if opts.precision == "bf16":
-            raise RuntimeError("onnxruntime has no bf16 kernels for these models: use --runtime torch for bf16")
-        with progress.step(f"exporting ONNX ({opts.precision}, dynamic batch)"):
+        with progress.step(f"exporting ONNX ({export_precision}, dynamic batch)"):
             export_onnx(typed, version_dir / "model.onnx")
         engine = OnnxRuntime(version_dir / "model.onnx", "cpu")
     with progress.step("verifying the engine against PyTorch on random inputs"):
-        error = verify(spec, engine.run, opts.precision)
+        error = verify(spec, engine.run, export_precision)
     if opts.runtime == "tensorrt":
         with progress.step("building TensorRT plan"):
             build_tensorrt(version_dir / "model.onnx", version_dir / "model.plan", opts.precision,
-                           opts.max_batch_size, sample_shapes)
+                           profile_shapes(spec, opts.max_batch_size))
     write_engine_metadata(version_dir, runtime=opts.runtime, precision=opts.precision, outputs=spec.outputs,
                           max_abs_error_vs_torch=error, fingerprint=opts.fingerprint(version_dir.parent.name),
                           checkpoint=str(opts.checkpoint.resolve()))
@@ -189,7 +192,7 @@ def build_vit(opts: BuildOptions) -> None:
         processor.save_pretrained(version_dir)
     size = model.config.image_size
     spec = EngineSpec(ViTLogits(model), image_inputs(size, size), {"pixel_values": {0: BATCH}}, ["logits"])
-    build_engine(spec, version_dir, opts, progress, {"pixel_values": (3, size, size)})
+    build_engine(spec, version_dir, opts, progress)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     (opts.repository / "vit" / "labels.txt").write_text("\n".join(labels) + "\n")
     with progress.step("writing config.pbtxt"):
@@ -216,15 +219,14 @@ def build_clip(opts: BuildOptions) -> None:
     processor.save_pretrained(vision_dir)
     size = clip.config.vision_config.image_size
     build_engine(EngineSpec(ClipImageEmbeds(clip), image_inputs(size, size), {"pixel_values": {0: BATCH}},
-                            ["image_embeds"]), vision_dir, opts, progress, {"pixel_values": (3, size, size)})
+                            ["image_embeds"]), vision_dir, opts, progress)
     text_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(text_dir / "tokenizer")
     text_cfg = clip.config.text_config
     build_engine(EngineSpec(ClipTextEmbeds(clip), text_inputs(text_cfg.vocab_size, text_cfg.eos_token_id),
                             {name: {0: BATCH, 1: ("sequence", text_cfg.max_position_embeddings)}
                              for name in ("input_ids", "attention_mask")},
-                            ["text_embeds"]), text_dir, opts, progress,
-                 {"input_ids": (text_cfg.max_position_embeddings,), "attention_mask": (text_cfg.max_position_embeddings,)})
+                            ["text_embeds"]), text_dir, opts, progress)
     dim = clip.config.projection_dim
     params, kind = common_parameters(opts), instance_kind(opts)
     with progress.step("writing config.pbtxt for clip_vision, clip_text, clip"):

@@ -5,7 +5,7 @@ import pytest
 import tritonclient.grpc as grpc
 import tritonclient.http as http
 
-MODELS = ["vit", "clip_vision", "clip_text", "clip"]
+MODELS = {"vit": ["image"], "clip_vision": ["image"], "clip_text": ["text"], "clip": ["image", "text"]}  # inputs
 
 
 @pytest.fixture(params=["http", "grpc"])
@@ -27,11 +27,9 @@ def test_model_ready_and_metadata(triton, model):
     assert triton.is_model_ready(model)
     meta = triton.get_model_metadata(model)
     inputs = meta["inputs"] if isinstance(meta, dict) else [{"name": i.name, "datatype": i.datatype} for i in meta.inputs]
-    assert {"name": "image", "datatype": "BYTES"} in [{"name": i["name"], "datatype": i["datatype"]} for i in inputs] \
-        or model == "clip_text"
+    assert [(i["name"], i["datatype"]) for i in inputs] == [(name, "BYTES") for name in MODELS[model]]
     config = triton.get_model_config(model)
-    config = config if isinstance(config, dict) else {"backend": config.config.backend}
-    assert config["backend"] == "python"
+    assert (config["backend"] if isinstance(config, dict) else config.config.backend) == "python"
 
 
 def test_unknown_model_is_not_ready(server):

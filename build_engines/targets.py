@@ -37,7 +37,7 @@ class BuildOptions:
         """Changes whenever the checkpoint, an option that shapes the artefacts or the builder's own code changes."""
         weights = sorted(p for p in self.checkpoint.iterdir() if p.is_file())
         stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
-        options = {k: str(v) for k, v in asdict(self).items() if k != "force"}
+        options = {k: str(v.resolve() if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "force"}
         code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py"))))
         return hashlib.sha256(json.dumps([family, options, stamp, code.hexdigest()]).encode()).hexdigest()[:16]
 

@@ -6,7 +6,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 export HTTP_PORT GRPC_PORT METRICS_PORT
 
-.PHONY: setup engines serve demo test test-unit bench clean
+.PHONY: setup engines serve demo test test-unit bench genai-perf clean
 
 setup:            ## venv + pinned stack + tritonserver + perf_analyzer (idempotent)
 	bash scripts/setup.sh
@@ -26,8 +26,12 @@ test: engines     ## the whole suite: unit tests and integration tests against a
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
-bench: engines    ## perf scenarios (perf/)
+bench: engines genai-perf  ## perf scenarios (perf/)
 	$(PY) -m perf
+
+genai-perf:       ## genai-perf in its own venv: make bench compares its LLM figures with ours
+	test -x .venv-genai-perf/bin/genai-perf || \
+	  (python3 -m venv .venv-genai-perf && .venv-genai-perf/bin/pip install -q genai-perf==0.0.8)
 
 clean:
 	rm -rf logs .pytest_cache model_repository/*/config.pbtxt model_repository/*/warmup model_repository/*/labels.txt

@@ -45,6 +45,31 @@ def tiny_clip_tokenizer(model_max_length: int = 77):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
+def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|begin_of_text|>", "<|end_of_text|>")):
+    """A GPT-2/Llama-3-style byte-level BPE fast tokenizer: every byte is a token, plus one merged token per word in
+    `words` (with its leading space, as byte-level BPE spells words). With no words, N bytes are exactly N tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    vocab = {c: i for i, c in enumerate(byte_chars.values())}
+    merges = []
+    for word in words:
+        spelled = "".join(byte_chars[b] for b in (" " + word).encode())
+        left = spelled[0]
+        for ch in spelled[1:]:
+            merges.append((left, ch))
+            vocab.setdefault(left + ch, len(vocab))
+            left += ch
+    for special in specials:
+        vocab[special] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=specials[0], eos_token=specials[1])
+
+
 def tiny_clip(out: Path) -> Path:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel

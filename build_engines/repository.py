@@ -22,6 +22,7 @@ class Tensor:
     dtype: str
     dims: list[int]
     label_filename: str | None = None  # enables Triton's classification extension on this output
+    optional: bool = False  # an input a request may leave out
 
 
 @dataclass
@@ -37,6 +38,7 @@ class PythonModelConfig:
     kind: str = "KIND_CPU"
     parameters: dict[str, str] = field(default_factory=dict)
     warmup_file: str | None = None  # a file under <model>/warmup/ holding one serialized BYTES element
+    decoupled: bool = False  # streaming: any number of responses per request (gRPC streaming only)
 
     def render(self) -> str:
         config = mc.ModelConfig(name=self.name, backend="python", max_batch_size=self.max_batch_size)
@@ -45,8 +47,12 @@ class PythonModelConfig:
                 added = spec.add(name=t.name, data_type=TYPES[t.dtype], dims=t.dims)
                 if t.label_filename:
                     added.label_filename = t.label_filename
+                if t.optional:
+                    added.optional = True
         if self.max_queue_delay_us is not None:
             config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
+        if self.decoupled:
+            config.model_transaction_policy.decoupled = True
         config.instance_group.add(count=self.instances, kind=getattr(mc.ModelInstanceGroup, self.kind))
         for key, value in sorted(self.parameters.items()):
             config.parameters[key].string_value = value

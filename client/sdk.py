@@ -31,12 +31,7 @@ class Client:
 
     def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], class_count: int = 0) -> dict:
         """One request; `inputs` maps tensor names to arrays (object arrays of bytes become BYTES)."""
-        tensors = []
-        for name, array in inputs.items():
-            dtype = "BYTES" if array.dtype == object else _TRITON_DTYPES[array.dtype.str[1:]]
-            tensor = self.api.InferInput(name, list(array.shape), dtype)
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
+        tensors = infer_inputs(self.api, inputs)
         requested = [self.api.InferRequestedOutput(name, class_count=class_count) for name in outputs]
         result = self.triton.infer(model, tensors, outputs=requested)
         return {name: result.as_numpy(name) for name in outputs}
@@ -70,6 +65,34 @@ class Client:
 
     def close(self) -> None:
         self.triton.close()
+
+
+# optional generation inputs and their dtypes (tensorrtllm_backend names; see backends/generation.py)
+GENERATION_OPTIONAL = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "seed": np.int64,
+                       "min_length": np.int32, "stop": object}
+
+
+def generation_inputs(api, prompt: str, max_tokens: int, stream: bool = True, **optional) -> list:
+    """`llm` request tensors for tritonclient `api` (grpc or grpc.aio); `optional`: temperature=0.7, stop=["."], ..."""
+    arrays = {"text_input": np.array([prompt.encode()], dtype=object),
+              "max_tokens": np.array([max_tokens], dtype=np.int32), "stream": np.array([stream])}
+    for name, value in optional.items():
+        if name not in GENERATION_OPTIONAL:
+            raise ValueError(f"unknown generation input {name!r}; known: {sorted(GENERATION_OPTIONAL)}")
+        values = [v.encode() for v in value] if name == "stop" else [value]
+        arrays[name] = np.array(values, dtype=GENERATION_OPTIONAL[name])
+    return infer_inputs(api, arrays)
+
+
+def infer_inputs(api, arrays: dict[str, np.ndarray]) -> list:
+    """tritonclient InferInputs from named arrays (object arrays of bytes become BYTES)."""
+    tensors = []
+    for name, array in arrays.items():
+        dtype = "BYTES" if array.dtype == object else _TRITON_DTYPES[array.dtype.str[1:]]
+        tensor = api.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
 
 
 def _bytes_column(items: list[bytes]) -> np.ndarray:

@@ -1,8 +1,10 @@
 """`make bench`: perf_analyzer sweeps (concurrency and request rate) per model against a server started here,
-the in-process baseline beside each, and the dynamic-batching study on vit. Results: perf/results/<host>/."""
+the in-process baseline beside each, the dynamic-batching study on vit, and the LLM streaming benchmark (checked on
+the `token_stream` calibration model, beside genai-perf where installed). Results: perf/results/<host>/."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -12,10 +14,18 @@ import tritonclient.http as http
 
 from backends.server import TritonServer, free_port
 from backends.triton_model import model_parameters
+from build_engines.checkpoints import byte_level_tokenizer
+from perf import genai_perf
 from perf.analyzer import LoadPoint, run_perf_analyzer
 from perf.baseline import in_process_throughput
 from perf.inputs import TEXT_SET, encoded_images, model_input_data
-from perf.report import hardware_line, write_sweep, write_table
+from perf.llm import LoadSpec, make_prompts, run_load, summarize
+from perf.report import hardware_line, plot_curves, stem, write_sweep, write_table
+from perf.token_stream import write_token_stream_model
+
+# (concurrency, input tokens, output tokens) of the LLM streaming benchmark
+LLM_LOADS = [(1, 32, 64), (4, 32, 64), (16, 32, 64), (64, 32, 64), (1, 256, 16), (16, 256, 16)]
+GENAI_PERF_LOADS = [(1, 32, 64), (16, 32, 64), (64, 32, 64)]
 
 
 def sweep(model: str, server: TritonServer, data: Path, tmp: Path, kind: str, levels: list[float],
@@ -82,6 +92,72 @@ def batching_study(repository: Path, results: Path, tmp: Path, interval_ms: int,
     print("vit dynamic-batching study written", flush=True)
 
 
+LLM_HEADER = ["model", "tool", "concurrency", "input tokens", "output tokens", "requests", "TTFT p50 ms", "TTFT p90 ms",
+              "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "latency p99 ms", "output tokens/s"]
+
+
+def llm_row(model: str, tool: str, spec: LoadSpec, m: dict) -> list:
+    return [model, tool, spec.concurrency, spec.input_tokens, spec.output_tokens, m.get("requests", "-"),
+            *(m[f"{k}_p{q}"] for k in ("ttft_ms", "itl_ms") for q in (50, 90, 99)), m["latency_ms_p99"],
+            m["output_tokens_per_s"]]
+
+
+def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Path, loads=LLM_LOADS,
+                  genai_loads=GENAI_PERF_LOADS) -> list[list]:
+    """perf/llm.py at each load (and genai-perf at `genai_loads` when installed), one row per measurement."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids)
+
+    rows = []
+    for concurrency, input_tokens, output_tokens in loads:
+        spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
+        prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False), decode)
+        rows.append(llm_row(model, "perf/llm.py", spec, summarize(asyncio.run(run_load(server.grpc_url, model, prompts,
+                                                                                         spec)), count)))
+        if (concurrency, input_tokens, output_tokens) in genai_loads and genai_perf.available():
+            work = tmp / f"genai-perf-{model}-{concurrency}-{input_tokens}-{output_tokens}"
+            rows.append(llm_row(model, "genai-perf", spec, genai_perf.run_genai_perf(server.grpc_url, model, spec,
+                                                                                      tokenizer_dir, work)))
+        print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+    return rows
+
+
+def write_llm_results(results: Path, scenario: str, rows: list[list], hardware: str, notes: list[str]) -> None:
+    base = stem(results, scenario)
+    series: dict[str, list] = {}
+    for row in rows:
+        model, tool, concurrency, isl, osl = row[:5]
+        series.setdefault(f"{model} {isl}in/{osl}out ({tool})", []).append((row[9], row[13], f"c{concurrency}"))
+    plot_curves(base.with_suffix(".png"), scenario, "ITL p50 (ms)", "output tokens/s", series)
+    write_table(results, scenario, LLM_HEADER, rows, hardware, notes, figure=base.with_suffix(".png").name)
+
+
+def calibration_bench(results: Path, tmp: Path, hardware: str, first_token_ms: float = 20,
+                      token_interval_ms: float = 5) -> None:
+    """The LLM benchmark against `token_stream`, whose true TTFT and ITL are known: what the tool adds."""
+    write_token_stream_model(tmp / "calibration", first_token_ms, token_interval_ms)
+    tokenizer_dir = tmp / "byte-tokenizer"
+    byte_level_tokenizer().save_pretrained(tokenizer_dir)
+    with TritonServer(tmp / "calibration", free_port(), free_port(), free_port(),
+                      Path("logs/bench-calibration.log")) as server:
+        rows = llm_streaming(server, "token_stream", tokenizer_dir, tmp)
+    notes = [f"`token_stream` produces exactly `max_tokens` tokens: the first {first_token_ms:g} ms after the request "
+             f"arrives, then one every {token_interval_ms:g} ms, so the true TTFT is {first_token_ms:g} ms, the true "
+             f"ITL {token_interval_ms:g} ms and the most output tokens/s at concurrency c and n output tokens is "
+             f"c * n / ({first_token_ms:g} + {token_interval_ms:g} * (n - 1)) ms. Rows that miss these show what the "
+             "client, gRPC and the python backend add at that load."
+             + ("" if genai_perf.available() else " genai-perf rows: not run (`make genai-perf` installs it).")]
+    write_llm_results(results, "llm-streaming-calibration", rows, hardware, notes)
+    print("LLM streaming calibration written", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
@@ -90,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--interval-ms", type=int, default=2000, help="perf_analyzer measurement window")
     parser.add_argument("--skip-batching-study", action="store_true")
+    parser.add_argument("--skip-llm", action="store_true", help="skip the LLM streaming benchmark")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp_name, TritonServer(
             args.repository, free_port(), free_port(), free_port(), Path("logs/bench-tritonserver.log")) as server:
@@ -103,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_batching_study:
         with tempfile.TemporaryDirectory() as tmp_name:
             batching_study(args.repository, args.results, Path(tmp_name), args.interval_ms, hardware)
+    if not args.skip_llm:
+        with tempfile.TemporaryDirectory() as tmp_name:
+            calibration_bench(args.results, Path(tmp_name), hardware)
     return 0
 
 

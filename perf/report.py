@@ -58,29 +58,40 @@ def write_sweep(root: Path, scenario: str, load_name: str, points: list[LoadPoin
 
 
 def plot(path: Path, title: str, load_name: str, points: list[LoadPoint]) -> None:
+    series = {title: [(p.p99_us / 1e3, p.throughput, f"{load_name[:4]} {p.load:g}") for p in points]}
+    plot_curves(path, title, "p99 latency (ms)", "throughput (infer/s)", series)
+
+
+def plot_curves(path: Path, title: str, xlabel: str, ylabel: str,
+                series: dict[str, list[tuple[float, float, str]]]) -> None:
+    """Throughput-vs-latency curves: one line per series of (x, y, point label)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.p99_us / 1e3 for p in points], [p.throughput for p in points], marker="o")
-    for p in points:
-        ax.annotate(f"{load_name[:4]} {p.load:g}", (p.p99_us / 1e3, p.throughput), fontsize=7,
-                    textcoords="offset points", xytext=(4, 4))
-    ax.set_xlabel("p99 latency (ms)")
-    ax.set_ylabel("throughput (infer/s)")
+    for name, points in series.items():
+        ax.plot([x for x, _, _ in points], [y for _, y, _ in points], marker="o", label=name)
+        for x, y, label in points:
+            ax.annotate(label, (x, y), fontsize=7, textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def write_table(root: Path, scenario: str, header: list[str], rows: list[list], hardware: str,
-                notes: list[str] = ()) -> Path:
-    """A plain markdown (and CSV) table, for studies that are not one sweep."""
+                notes: list[str] = (), figure: str | None = None) -> Path:
+    """A plain markdown (and CSV) table, for studies that are not one sweep; `figure` names a png beside it."""
     base = stem(root, scenario)
+    if figure:
+        notes = [*notes, "", f"![{scenario}]({figure})"]
     with base.with_suffix(".csv").open("w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
     lines = [f"# {scenario}", "", f"Hardware: {hardware}", "", "| " + " | ".join(header) + " |",

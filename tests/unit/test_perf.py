@@ -4,6 +4,8 @@ import base64
 import json
 import struct
 
+import pytest
+
 from perf.analyzer import LoadPoint, parse_csv
 from perf.inputs import encoded_images, model_input_data
 from perf.report import write_sweep, write_table
@@ -50,3 +52,45 @@ def test_input_data_is_triton_raw_bytes_layout(tmp_path):
     for step, image in zip(data, images):
         raw = base64.b64decode(step["image"]["b64"])
         assert struct.unpack("<I", raw[:4])[0] == len(image) and raw[4:] == image
+
+
+def test_summarize_uses_genai_perf_definitions():
+    from perf.llm import StreamTiming, summarize
+
+    # two requests: first token 20 ms after sending, then a token every 5 ms
+    timings = [StreamTiming(t0, [t0 + 0.020 + 0.005 * i for i in range(n)], "x" * n) for t0, n in ((0.0, 11), (0.1, 3))]
+    m = summarize(timings)
+    assert m["ttft_ms_p50"] == pytest.approx(20)
+    assert m["itl_ms_p99"] == pytest.approx(5)
+    assert m["latency_ms_p50"] == pytest.approx((70 + 30) / 2)
+    assert m["output_tokens_per_s"] == pytest.approx(14 / 0.130)  # all tokens / (last arrival - first send)
+    assert summarize(timings, count_tokens=lambda text: 2 * len(text))["output_tokens_mean"] == 14
+
+
+def test_summarize_refuses_failed_requests():
+    from perf.llm import StreamTiming, summarize
+
+    with pytest.raises(RuntimeError, match="1 of 2 requests failed"):
+        summarize([StreamTiming(0.0, [0.1], "a"), StreamTiming(0.0, [], "", error="boom")])
+
+
+def test_genai_perf_export_maps_to_our_keys(tmp_path):
+    from perf.genai_perf import read_export
+
+    stat = {"unit": "ms", "avg": 1.0, "p50": 2.0, "p90": 3.0, "p99": 4.0}
+    export = {"time_to_first_token": stat, "inter_token_latency": {**stat, "p50": 5.0}, "request_latency": stat,
+              "output_token_throughput": {"avg": 100.0}, "request_throughput": {"avg": 2.0},
+              "output_sequence_length": {"avg": 64.0}}
+    (tmp_path / "e.json").write_text(json.dumps(export))
+    m = read_export(tmp_path / "e.json")
+    assert (m["ttft_ms_p99"], m["itl_ms_p50"], m["output_tokens_per_s"]) == (4.0, 5.0, 100.0)
+
+
+def test_prompts_have_the_requested_token_count():
+    from build_engines.checkpoints import byte_level_tokenizer
+    from perf.llm import make_prompts
+
+    tok = byte_level_tokenizer(["cat", "the"])
+    prompts = make_prompts(5, 40, lambda t: tok.encode(t, add_special_tokens=False), tok.decode)
+    assert [len(tok.encode(p, add_special_tokens=False)) for p in prompts] == [40] * 5
+    assert len(set(prompts)) == 5

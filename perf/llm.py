@@ -1,0 +1,124 @@
+"""LLM streaming benchmark: async gRPC streams through tritonclient, one per request, closed-loop concurrency.
+
+Figures are genai-perf's definitions, so the two can be compared on the same load: time to first token (request sent
+-> first non-empty response), inter-token latency ((last - first response) / (output tokens - 1) per request),
+request latency, and output tokens/s over the measured phase (all output tokens / (last response - first send)).
+Output tokens are counted with the model's tokenizer on the joined text, or as non-empty responses without one.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+
+from client.sdk import generation_inputs
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class StreamTiming:
+    sent: float  # time.perf_counter() seconds
+    arrivals: list[float]  # one per non-empty response
+    text: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    concurrency: int
+    input_tokens: int
+    output_tokens: int
+    requests: int  # measured requests (a warm-up round of `concurrency` requests runs first)
+
+
+async def stream_one(client: grpcclient.InferenceServerClient, model: str, inputs: list) -> StreamTiming:
+    """Send one request on its own stream and timestamp every response until the final one."""
+    done = asyncio.Event()
+
+    async def request_iterator():
+        yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex,
+               "enable_empty_final_response": True}
+        await done.wait()  # keep the stream open until the final response arrived
+
+    timing = StreamTiming(time.perf_counter(), [], "")
+    pieces = []
+    try:
+        async for result, error in client.stream_infer(request_iterator()):
+            now = time.perf_counter()
+            if error is not None:
+                timing.error = str(error)
+                break
+            output = result.as_numpy("text_output")
+            if output is not None and output.size and len(output.reshape(-1)[0]):
+                pieces.append(output.reshape(-1)[0].decode("utf-8", errors="replace"))
+                timing.arrivals.append(now)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        done.set()
+    timing.text = "".join(pieces)
+    return timing
+
+
+async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec,
+                   extra: dict | None = None) -> list[StreamTiming]:
+    """Warm-up round, then `spec.requests` requests from `spec.concurrency` closed-loop workers."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        async def drive(count: int) -> list[StreamTiming]:
+            queue = iter(range(count))
+            results: list[StreamTiming] = []
+
+            async def worker():
+                for i in queue:
+                    inputs = generation_inputs(grpcclient, prompts[i % len(prompts)], spec.output_tokens,
+                                               **(extra or {}))
+                    results.append(await stream_one(client, model, inputs))
+
+            await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+            return results
+
+        await drive(spec.concurrency)
+        return await drive(spec.requests)
+    finally:
+        await client.close()
+
+
+def summarize(timings: list[StreamTiming], count_tokens: Callable[[str], int] | None = None) -> dict[str, float]:
+    """genai-perf's figures (ms, tokens/s) with p50/p90/p99; raises if any request failed."""
+    errors = [t.error for t in timings if t.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(timings)} requests failed, first: {errors[0]}")
+    done = [t for t in timings if t.arrivals]
+    tokens = np.array([count_tokens(t.text) if count_tokens else len(t.arrivals) for t in done])
+    ttft = np.array([t.arrivals[0] - t.sent for t in done]) * 1e3
+    latency = np.array([t.arrivals[-1] - t.sent for t in done]) * 1e3
+    multi = tokens > 1
+    itl = np.array([(t.arrivals[-1] - t.arrivals[0]) / (n - 1) for t, n in zip(done, tokens) if n > 1]) * 1e3
+    span = max(t.arrivals[-1] for t in done) - min(t.sent for t in done)
+    out = {"requests": len(done), "output_tokens_mean": float(tokens.mean()),
+           "output_tokens_per_s": float(tokens.sum() / span), "requests_per_s": len(done) / span}
+    for name, values in (("ttft_ms", ttft), ("itl_ms", itl if multi.any() else np.zeros(1)), ("latency_ms", latency)):
+        out[f"{name}_mean"] = float(values.mean())
+        for q in PERCENTILES:
+            out[f"{name}_p{q}"] = float(np.percentile(values, q))
+    return out
+
+
+def make_prompts(count: int, input_tokens: int, encode: Callable[[str], list[int]] | None = None,
+                 decode: Callable[[list[int]], str] | None = None, seed: int = 0) -> list[str]:
+    """Random-word prompts of `input_tokens` tokens (by the tokenizer when given, else one byte per token)."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    prompts = []
+    for _ in range(count):
+        words = [" " + "".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(input_tokens)]
+        text = "".join(words).strip()
+        prompts.append(decode(encode(text)[:input_tokens]) if encode and decode else text[:input_tokens])
+    return prompts

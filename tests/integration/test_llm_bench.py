@@ -1,0 +1,62 @@
+"""The LLM streaming benchmark against `token_stream`, whose true timing is known: the figures must match it."""
+import asyncio
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcclient
+
+from backends.server import TritonServer, free_port
+from client.sdk import generation_inputs
+from perf.llm import LoadSpec, make_prompts, run_load, stream_one, summarize
+from perf.token_stream import write_token_stream_model
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def calibration_server(tmp_path_factory):
+    repository = tmp_path_factory.mktemp("calibration")
+    write_token_stream_model(repository, first_token_ms=20, token_interval_ms=5)
+    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-calibration.log") as s:
+        yield s
+
+
+def one(url: str, prompt: str, max_tokens: int, **optional):
+    async def go():
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            return await stream_one(client, "token_stream", generation_inputs(grpcclient, prompt, max_tokens,
+                                                                                **optional))
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+def test_streamed_figures_match_the_known_clock(calibration_server):
+    spec = LoadSpec(concurrency=4, input_tokens=16, output_tokens=16, requests=16)
+    timings = asyncio.run(run_load(calibration_server.grpc_url, "token_stream", make_prompts(4, 16), spec))
+    assert [len(t.arrivals) for t in timings] == [16] * 16
+    assert all(t.text == "abcdefghijklmnop" for t in timings)
+    m = summarize(timings)
+    assert 20 <= m["ttft_ms_p50"] < 60  # never below the truth; the rest is gRPC + python backend + client
+    assert 4.5 < m["itl_ms_p50"] < 7
+    assert m["output_tokens_per_s"] < 4 * 16 / 0.095  # at most the clock's rate
+
+
+def test_non_streaming_request_gets_one_final_response(calibration_server):
+    timing = one(calibration_server.grpc_url, "hello", 30, stream=False)
+    assert timing.error is None and len(timing.arrivals) == 1
+    assert timing.text == "abcdefghijklmnopqrstuvwxyzabcd"
+    assert timing.arrivals[0] - timing.sent >= 0.020 + 29 * 0.005
+
+
+@pytest.mark.parametrize("prompt, max_tokens, optional, message", [
+    ("hi", 0, {}, "max_tokens must be between 1 and"),
+    ("", 4, {}, "text_input is empty"),
+    ("hi", 4, {"top_p": np.float32(2.0)}, "top_p must be in (0, 1]"),
+])
+def test_bad_generation_input_is_invalid_arg_and_server_keeps_serving(calibration_server, prompt, max_tokens,
+                                                                      optional, message):
+    bad = one(calibration_server.grpc_url, prompt, max_tokens, **optional)
+    # a gRPC stream error carries a message but no status code (ModelStreamInferResponse.error_message)
+    assert bad.error is not None and bad.error.startswith("invalid input: ") and message in bad.error
+    assert one(calibration_server.grpc_url, "hi", 3).text == "abc"

@@ -6,7 +6,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 export HTTP_PORT GRPC_PORT METRICS_PORT
 
-.PHONY: setup engines serve demo test test-unit bench genai-perf clean
+.PHONY: setup engines serve demo test test-unit bench genai-perf bundle clean
 
 setup:            ## venv + pinned stack + tritonserver + perf_analyzer (idempotent)
 	bash scripts/setup.sh
@@ -28,6 +28,9 @@ test-unit: setup
 
 bench: engines genai-perf  ## perf scenarios (perf/)
 	$(PY) -m perf
+
+bundle: setup     ## dist/*.tar.xz for an offline GPU host (BUNDLE_PYTHON=3.12); perf/gpu_bench.sh runs it there
+	bash scripts/bundle.sh
 
 genai-perf:       ## genai-perf in its own venv: make bench compares its LLM figures with ours
 	test -x .venv-genai-perf/bin/genai-perf || \

@@ -29,14 +29,16 @@ class TritonInstall:
 
 
 def find_tritonserver() -> TritonInstall:
-    """Prefer a tritonserver on PATH; fall back to the one shipped in the nvidia-pytriton wheel."""
-    on_path = shutil.which("tritonserver")
-    if on_path:
+    """$TRITONSERVER_ROOT (a folder laid out like nvidia-pytriton's, as `make bundle` ships it), else a tritonserver
+    on PATH, else the one in the nvidia-pytriton wheel."""
+    if os.environ.get("TRITONSERVER_ROOT"):
+        root = Path(os.environ["TRITONSERVER_ROOT"])
+    elif on_path := shutil.which("tritonserver"):
         return TritonInstall(Path(on_path), None)
-    spec = find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
+    elif (spec := find_spec("pytriton")) and spec.submodule_search_locations:
+        root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    else:
         raise FileNotFoundError("no tritonserver on PATH and nvidia-pytriton is not installed; run `make setup`")
-    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     install = TritonInstall(root / "bin" / "tritonserver", root / "backends")
     prepare_python_stub(root)
     return install

@@ -11,16 +11,19 @@ TINY_ROOT = Path(".checkpoints")
 TINY_WORDS = "a photo of the cat and dog on grass red blue car tree person".split()
 
 
-def tiny_vit(out: Path) -> Path:
+def tiny_vit(out: Path, hidden_size: int = 64, num_hidden_layers: int = 2, num_attention_heads: int = 4,
+             intermediate_size: int = 128, image_size: int = 224, patch_size: int = 16, num_labels: int = 10) -> Path:
     import torch
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessorPil
 
     torch.manual_seed(0)
-    config = ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                       image_size=224, patch_size=16, num_labels=10,
-                       id2label={i: f"class_{i}" for i in range(10)}, label2id={f"class_{i}": i for i in range(10)})
+    labels = {i: f"class_{i}" for i in range(num_labels)}
+    config = ViTConfig(hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                       num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                       image_size=image_size, patch_size=patch_size, num_labels=num_labels, id2label=labels,
+                       label2id={v: k for k, v in labels.items()})
     ViTForImageClassification(config).save_pretrained(out)
-    ViTImageProcessorPil(size={"height": 224, "width": 224}).save_pretrained(out)
+    ViTImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(out)
     return out
 
 
@@ -70,27 +73,48 @@ def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=specials[0], eos_token=specials[1])
 
 
-def tiny_clip(out: Path) -> Path:
+TINY_CLIP_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY_CLIP_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        image_size=224, patch_size=32)
+
+
+def tiny_clip(out: Path, text: dict = TINY_CLIP_TEXT, vision: dict = TINY_CLIP_VISION, projection_dim: int = 32) -> Path:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel
 
     tokenizer = tiny_clip_tokenizer()
     torch.manual_seed(0)
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
-        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=224, patch_size=32),
-        projection_dim=32,
-    )
+        text_config=dict(vocab_size=len(tokenizer), max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **text),
+        vision_config=vision, projection_dim=projection_dim)
     CLIPModel(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    CLIPImageProcessorPil(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}).save_pretrained(out)
+    size = vision["image_size"]
+    CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(out)
     return out
 
 
 TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip}
+
+# Real-size architectures with random weights, for GPU benchmarks: preset -> (family, builder arguments)
+RANDOM_INIT = {
+    "vit-b16-224": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                                image_size=224, patch_size=16, num_labels=1000)),
+    "clip-vit-l14-336": ("clip", dict(
+        text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    image_size=336, patch_size=14), projection_dim=768)),
+}
+
+
+def random_init_checkpoint(preset: str, root: Path = TINY_ROOT) -> tuple[str, Path]:
+    """(family, path) of a real-size random-init checkpoint (the text tower keeps the tiny tokenizer's vocabulary)."""
+    family, arguments = RANDOM_INIT[preset]
+    out = root / f"random-{preset}"
+    if not (out / "config.json").exists():
+        TINY_BUILDERS[family](out, **arguments)
+    return family, out
 
 
 def tiny_checkpoint(family: str, root: Path = TINY_ROOT) -> Path:

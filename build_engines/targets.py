@@ -31,6 +31,7 @@ class BuildOptions:
     instances: int = 1
     device: str = "auto"
     execution_env: str = "auto"
+    prepare_threads: int = 4
     force: bool = False
 
     def fingerprint(self, family: str) -> str:
@@ -166,7 +167,7 @@ def up_to_date(opts: BuildOptions, names: list[str]) -> bool:
 
 
 def common_parameters(opts: BuildOptions) -> dict[str, str]:
-    params = {"runtime": opts.runtime, "device": opts.device}
+    params = {"runtime": opts.runtime, "device": opts.device, "prepare_threads": str(opts.prepare_threads)}
     env = execution_env(opts.execution_env)
     if env:
         params["EXECUTION_ENV_PATH"] = env

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -17,8 +19,9 @@ from backends.triton_model import model_parameters
 from build_engines.checkpoints import byte_level_tokenizer
 from perf import genai_perf
 from perf.analyzer import LoadPoint, run_perf_analyzer
+from perf.gpu import GpuUtilization
 from perf.baseline import in_process_throughput
-from perf.inputs import TEXT_SET, encoded_images, model_input_data
+from perf.inputs import IMAGE_SETS, model_input_data, model_items
 from perf.llm import LoadSpec, make_prompts, run_load, summarize
 from perf.report import hardware_line, plot_curves, stem, write_sweep, write_table
 from perf.token_stream import write_token_stream_model
@@ -29,34 +32,46 @@ GENAI_PERF_LOADS = [(1, 32, 64), (16, 32, 64), (64, 32, 64)]
 
 
 def sweep(model: str, server: TritonServer, data: Path, tmp: Path, kind: str, levels: list[float],
-          interval_ms: int) -> list[LoadPoint]:
-    """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear)."""
-    points = []
+          interval_ms: int) -> tuple[list[LoadPoint], str | None]:
+    """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
+    mean GPU utilisation during it. Returns the points and where the utilisation came from (None: no GPU)."""
+    points, source = [], None
     for level in levels:
         value = f"{level:g}"
         args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
-        points += run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
-                                    interval_ms=interval_ms, **args)
-    return points
+        with GpuUtilization(server.metrics_url) as gpu:
+            (point,) = run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
+                                         interval_ms=interval_ms, **args)
+        points.append(dataclasses.replace(point, gpu_util=gpu.mean))
+        source = source or gpu.source
+    return points, source
 
 
 def bench_model(model: str, server: TritonServer, repository: Path, results: Path, tmp: Path,
-                concurrency: list[int], interval_ms: int, hardware: str) -> None:
-    data = model_input_data(model, tmp)
-    by_concurrency = sweep(model, server, data, tmp, "concurrency", concurrency, interval_ms)
+                concurrency: list[int], interval_ms: int, hardware: str, image_set: str = "mixed") -> None:
+    data = model_input_data(model, tmp, image_set)
+    by_concurrency, gpu_source = sweep(model, server, data, tmp, "concurrency", concurrency, interval_ms)
     peak = max(p.throughput for p in by_concurrency)
     rates = [round(peak * f, 1) for f in (0.25, 0.5, 0.75)]
-    by_rate = sweep(model, server, data, tmp, "request_rate", rates, interval_ms)
-    config = http.InferenceServerClient(server.http_url).get_model_config(model)
-    items = [t.encode() for t in TEXT_SET] if model == "clip_text" else encoded_images()
+    by_rate, _ = sweep(model, server, data, tmp, "request_rate", rates, interval_ms)
+    client = http.InferenceServerClient(server.http_url)
+    config = client.get_model_config(model)
+    client.close()
     batch = max(concurrency)
-    baseline = in_process_throughput(repository / model / "1", model_parameters(config), items, batch)
-    note = (f"In-process baseline (same encoder, same inputs, batch {batch}, called directly): {baseline:.1f} "
-            f"infer/s. Triton peak / in-process = {peak:.1f} / {baseline:.1f} = {peak / baseline:.2f}.")
-    write_sweep(results, f"{model}-concurrency", "concurrency", by_concurrency, hardware, [note])
-    write_sweep(results, f"{model}-request-rate", "request rate (req/s)", by_rate, hardware,
-                [f"Rates are 25/50/75% of the concurrency sweep's peak ({peak:.1f} infer/s)."])
-    print(f"{model}: peak {peak:.1f} infer/s, in-process {baseline:.1f}, ratio {peak / baseline:.2f}", flush=True)
+    baseline = in_process_throughput(repository / model / "1", model_parameters(config),
+                                     model_items(model, image_set), batch)
+    inputs = "" if model == "clip_text" else f"Image set `{image_set}`: {IMAGE_SETS[image_set]}. "
+    notes = [inputs + f"Engine: runtime {config['parameters']['runtime']['string_value']}, "
+             f"prepare_threads {config['parameters'].get('prepare_threads', {}).get('string_value', '4')}.",
+             f"In-process baseline (same encoder, same inputs, batch {batch}, called directly): {baseline:.1f} "
+             f"infer/s. Triton peak / in-process = {peak:.1f} / {baseline:.1f} = {peak / baseline:.2f}."]
+    if gpu_source:
+        notes.append(f"GPU util: mean during each perf_analyzer run, from {gpu_source}.")
+    scenario = model if image_set == "mixed" else f"{model}-{image_set}"
+    write_sweep(results, f"{scenario}-concurrency", "concurrency", by_concurrency, hardware, notes)
+    write_sweep(results, f"{scenario}-request-rate", "request rate (req/s)", by_rate, hardware,
+                [f"Rates are 25/50/75% of the concurrency sweep's peak ({peak:.1f} infer/s).", *notes[:1]])
+    print(f"{scenario}: peak {peak:.1f} infer/s, in-process {baseline:.1f}, ratio {peak / baseline:.2f}", flush=True)
 
 
 def batching_study(repository: Path, results: Path, tmp: Path, interval_ms: int, hardware: str,
@@ -162,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__)
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default=socket.gethostname(), help="results go to RESULTS/HOST/")
     parser.add_argument("--models", nargs="+", default=["vit", "clip_vision", "clip_text"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--image-sets", nargs="+", choices=sorted(IMAGE_SETS), default=["mixed"],
+                        help="image inputs for vit/clip_vision (clip_text always uses its text set)")
     parser.add_argument("--interval-ms", type=int, default=2000, help="perf_analyzer measurement window")
     parser.add_argument("--skip-batching-study", action="store_true")
     parser.add_argument("--skip-llm", action="store_true", help="skip the LLM streaming benchmark")
     args = parser.parse_args(argv)
+    args.results = args.results / args.host
     with tempfile.TemporaryDirectory() as tmp_name, TritonServer(
             args.repository, free_port(), free_port(), free_port(), Path("logs/bench-tritonserver.log")) as server:
         tmp = Path(tmp_name)
@@ -175,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         hardware = hardware_line(version)
         print(hardware, flush=True)
         for model in args.models:
-            bench_model(model, server, args.repository, args.results, tmp, args.concurrency, args.interval_ms,
-                        hardware)
+            for image_set in ["mixed"] if model == "clip_text" else args.image_sets:
+                bench_model(model, server, args.repository, args.results, tmp, args.concurrency, args.interval_ms,
+                            hardware, image_set)
     if not args.skip_batching_study:
         with tempfile.TemporaryDirectory() as tmp_name:
             batching_study(args.repository, args.results, Path(tmp_name), args.interval_ms, hardware)

@@ -23,6 +23,7 @@ class LoadPoint:
     server_compute_input_us: int
     server_compute_infer_us: int
     server_compute_output_us: int
+    gpu_util: float | None = None  # mean over the run (0..1), set by the caller when it measured one
 
 
 def parse_csv(path: Path) -> list[LoadPoint]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import csv
 import datetime
 import platform
-import socket
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -26,14 +25,10 @@ def hardware_line(server_version: str = "?") -> str:
             f"Python {platform.python_version()}")
 
 
-def results_dir(root: Path) -> Path:
-    folder = root / socket.gethostname()
+def stem(folder: Path, scenario: str) -> Path:
+    """perf/results/<host>/<date>-<scenario> (without suffix); `folder` is the host's results folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-def stem(root: Path, scenario: str) -> Path:
-    return results_dir(root) / f"{datetime.date.today().isoformat()}-{scenario}"
+    return folder / f"{datetime.date.today().isoformat()}-{scenario}"
 
 
 def write_sweep(root: Path, scenario: str, load_name: str, points: list[LoadPoint], hardware: str,
@@ -44,13 +39,16 @@ def write_sweep(root: Path, scenario: str, load_name: str, points: list[LoadPoin
         writer = csv.DictWriter(f, [x.name for x in fields(LoadPoint)])
         writer.writeheader()
         writer.writerows(asdict(p) for p in points)
+    gpu = any(p.gpu_util is not None for p in points)
     lines = [f"# {scenario}", "", f"Hardware: {hardware}", "",
              f"| {load_name} | infer/s | p50 ms | p90 ms | p99 ms | queue ms | compute input ms | compute infer ms "
-             "| compute output ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "| compute output ms |" + (" GPU util % |" if gpu else ""), "|---|---|---|---|---|---|---|---|---|"
+             + ("---|" if gpu else "")]
     for p in points:
         lines.append(f"| {p.load:g} | {p.throughput:.1f} | {p.p50_us / 1e3:.1f} | {p.p90_us / 1e3:.1f} | "
                      f"{p.p99_us / 1e3:.1f} | {p.server_queue_us / 1e3:.2f} | {p.server_compute_input_us / 1e3:.2f} | "
-                     f"{p.server_compute_infer_us / 1e3:.2f} | {p.server_compute_output_us / 1e3:.2f} |")
+                     f"{p.server_compute_infer_us / 1e3:.2f} | {p.server_compute_output_us / 1e3:.2f} |"
+                     + (f" {'-' if p.gpu_util is None else f'{100 * p.gpu_util:.0f}'} |" if gpu else ""))
     lines += ["", *notes, "", f"![throughput vs p99 latency]({base.name}.png)", ""]
     base.with_suffix(".md").write_text("\n".join(lines))
     plot(base.with_suffix(".png"), scenario, load_name, points)

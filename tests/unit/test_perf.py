@@ -94,3 +94,41 @@ def test_prompts_have_the_requested_token_count():
     prompts = make_prompts(5, 40, lambda t: tok.encode(t, add_special_tokens=False), tok.decode)
     assert [len(tok.encode(p, add_special_tokens=False)) for p in prompts] == [40] * 5
     assert len(set(prompts)) == 5
+
+
+def test_report_shows_gpu_utilisation_when_measured(tmp_path):
+    points = [LoadPoint(1, 10.0, 1000, 2000, 3000, 100, 10, 800, 10, gpu_util=0.42)]
+    text = write_sweep(tmp_path, "gpu", "concurrency", points, "hw").read_text()
+    assert "GPU util % |" in text and text.splitlines()[6].endswith("| 42 |")
+
+
+def test_gpu_utilisation_is_read_from_server_metrics():
+    import http.server
+    import threading
+
+    from perf.gpu import GpuUtilization, server_gpu_utilization
+
+    metrics = b'# TYPE nv_gpu_utilization gauge\nnv_gpu_utilization{gpu_uuid="GPU-a"} 0.5\n' \
+              b'nv_gpu_utilization{gpu_uuid="GPU-b"} 0.7\nnv_gpu_power_usage{gpu_uuid="GPU-a"} 300\n'
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(metrics)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    try:
+        assert server_gpu_utilization(url) == pytest.approx(0.6)
+        with GpuUtilization(url, period_s=0.01) as gpu:
+            import time
+            time.sleep(0.1)
+        assert gpu.source.startswith("server metrics") and gpu.mean == pytest.approx(0.6)
+    finally:
+        server.shutdown()
+    assert server_gpu_utilization("http://127.0.0.1:9/metrics") is None  # nothing listening

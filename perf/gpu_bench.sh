@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]
+# On an offline GPU host that has Python and PyTorch: unpack the `make bundle` tarball, build real-size random-init
+# engines on this host (ViT-B/16-224 fp16, CLIP ViT-L/14-336 bf16; PyTorch runtime on CUDA), start tritonserver
+# and run the GPU scenarios (perf_analyzer sweeps with GPU utilisation, in-process baseline). Results go to
+# RESULTS_DIR/<HOST>/. Re-running with the same WORK folder skips what is done.
+#   PYTHON (python3)  WORK (/tmp/triton-multimodal-bench)  HOST (gpu)  MODELS ("vit clip_vision")
+#   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
+set -euo pipefail
+bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
+results="$(realpath -m "${2:-gpu-results}")"
+PYTHON="${PYTHON:-python3}"
+WORK="${WORK:-/tmp/triton-multimodal-bench}"
+b="$WORK/bundle"
+venv="$WORK/venv"
+
+if [ ! -d "$b" ]; then
+  echo "== unpacking $bundle"
+  mkdir -p "$WORK" && tar -xJf "$bundle" -C "$WORK"
+fi
+
+if [ ! -x "$venv/bin/perf_analyzer" ]; then
+  echo "== environment: a venv whose own packages (numpy<2, tritonclient) shadow the host's (torch, transformers)"
+  "$PYTHON" -m venv --without-pip "$venv"
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$b"/wheels/*.whl
+  "$PYTHON" -c 'import site, sys; print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' \
+    > "$site/zz_host_packages.pth"   # .pth paths are appended after the venv's own site-packages
+  echo "$b/project" > "$site/triton_multimodal.pth"
+  cat > "$venv/bin/perf_analyzer" <<SH
+#!/usr/bin/env bash
+LD_LIBRARY_PATH="$b/perf_analyzer\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$b/perf_analyzer/perf_analyzer" "\$@"
+SH
+  chmod +x "$venv/bin/perf_analyzer"
+fi
+export TRITONSERVER_ROOT="$b/triton/pytriton/tritonserver" PYTHONUNBUFFERED=1
+py="$venv/bin/python"
+cd "$b/project"
+"$py" -c 'import numpy, torch, transformers, tritonclient.grpc; print(f"numpy {numpy.__version__}, torch \
+{torch.__version__} (CUDA {torch.cuda.is_available()}), transformers {transformers.__version__}")'
+"$venv/bin/perf_analyzer" --version >/dev/null 2>&1 || "$venv/bin/perf_analyzer" --help >/dev/null
+
+threads="$(nproc)"
+if [ "${TINY:-0}" = 1 ]; then
+  "$py" -m build_engines all --tiny --prepare-threads "$threads"
+else
+  "$py" -m build_engines vit --random-init vit-b16-224 --runtime torch --precision fp16 --device cuda \
+    --prepare-threads "$threads"
+  "$py" -m build_engines clip --random-init clip-vit-l14-336 --runtime torch --precision bf16 --device cuda \
+    --prepare-threads "$threads"
+fi
+
+# shellcheck disable=SC2086
+"$py" -m perf --models ${MODELS:-vit clip_vision} --image-sets ${IMAGE_SETS:-mixed thumbnails} \
+  --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-1500}" --skip-batching-study --skip-llm
+echo "== results in $results/${HOST:-gpu}"

@@ -55,11 +55,13 @@ def export_onnx(spec: EngineSpec, path: Path) -> None:
     onnx_program.save(str(path))
 
 
-def export_torch(spec: EngineSpec, path: Path) -> None:
+def export_torch(spec: EngineSpec, path: Path, device: str = "cpu") -> None:
+    """A torch.export program traced on `device`: traced programs keep the device of constants they create, so the
+    artefact serves on the device it was exported on."""
     import torch
 
-    example = spec.make_inputs(2)
-    program = torch.export.export(spec.module, tuple(example.values()), dynamic_shapes=tuple(
+    example = {k: v.to(device) for k, v in spec.make_inputs(2).items()}
+    program = torch.export.export(spec.module.to(device), tuple(example.values()), dynamic_shapes=tuple(
         _dynamic_shapes(spec).get(name) for name in example), strict=False)
     torch.export.save(program, str(path))
 

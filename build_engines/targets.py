@@ -134,9 +134,10 @@ def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progre
     if opts.runtime == "torch":
         from backends.runtime import TorchRuntime
 
-        with progress.step(f"exporting torch program ({opts.precision})"):
-            export_torch(typed, version_dir / "model.pt2")
-        engine = TorchRuntime(version_dir / "model.pt2", spec.outputs, "cpu", opts.precision)
+        device = "cuda" if instance_kind(opts) == "KIND_GPU" else "cpu"
+        with progress.step(f"exporting torch program ({opts.precision}, {device})"):
+            export_torch(typed, version_dir / "model.pt2", device)
+        engine = TorchRuntime(version_dir / "model.pt2", spec.outputs, device, opts.precision)
     else:
         from backends.runtime import OnnxRuntime
 

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import tritonclient.http as http
+import tritonclient.grpc as grpcclient
 
 from backends.server import TritonServer, free_port
 from backends.triton_model import model_parameters
@@ -54,8 +54,8 @@ def bench_model(model: str, server: TritonServer, repository: Path, results: Pat
     peak = max(p.throughput for p in by_concurrency)
     rates = [round(peak * f, 1) for f in (0.25, 0.5, 0.75)]
     by_rate, _ = sweep(model, server, data, tmp, "request_rate", rates, interval_ms)
-    client = http.InferenceServerClient(server.http_url)
-    config = client.get_model_config(model)
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # gRPC only: the GPU bundle carries no HTTP client deps
+    config = client.get_model_config(model, as_json=True)["config"]
     client.close()
     batch = max(concurrency)
     baseline = in_process_throughput(repository / model / "1", model_parameters(config),
@@ -81,20 +81,20 @@ def batching_study(repository: Path, results: Path, tmp: Path, interval_ms: int,
     server = TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-batching.log"),
                           model_control="explicit", load_models=["vit"])
     with server:
-        client = http.InferenceServerClient(server.http_url)
-        config = client.get_model_config("vit")
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        config = client.get_model_config("vit", as_json=True)["config"]
         data = model_input_data("vit", tmp)
         for delay in delays_us:
             config["dynamic_batching"]["max_queue_delay_microseconds"] = delay
             client.load_model("vit", config=json.dumps(config))
             for concurrency in concurrencies:
-                before = client.get_inference_statistics("vit")["model_stats"][0]
+                before = client.get_inference_statistics("vit", as_json=True)["model_stats"][0]
                 # windows of 2x concurrency requests: at high load one request can outlast a fixed time window
                 windows = ["--measurement-mode", "count_windows", "--measurement-request-count", str(2 * concurrency)]
                 (point,) = run_perf_analyzer("vit", server.grpc_url, data, tmp / f"batching-{delay}-{concurrency}.csv",
                                              concurrency=str(concurrency), interval_ms=interval_ms,
                                              extra=windows if concurrency > 8 else None)
-                after = client.get_inference_statistics("vit")["model_stats"][0]
+                after = client.get_inference_statistics("vit", as_json=True)["model_stats"][0]
                 execs = int(after["execution_count"]) - int(before["execution_count"])
                 infers = int(after["inference_count"]) - int(before["inference_count"])
                 rows.append([delay / 1000, concurrency, point.throughput, point.p50_us / 1e3, point.p99_us / 1e3,
@@ -188,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.results = args.results / args.host
     with tempfile.TemporaryDirectory() as tmp_name, TritonServer(
-            args.repository, free_port(), free_port(), free_port(), Path("logs/bench-tritonserver.log")) as server:
+            args.repository, free_port(), free_port(), free_port(), Path("logs/bench-tritonserver.log"),
+            model_control="explicit", load_models=args.models) as server:  # only what is measured
         tmp = Path(tmp_name)
-        version = http.InferenceServerClient(server.http_url).get_server_metadata()["version"]
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        version = client.get_server_metadata(as_json=True)["version"]
+        client.close()
         hardware = hardware_line(version)
         print(hardware, flush=True)
         for model in args.models:

@@ -40,14 +40,19 @@ cd "$b/project"
 {torch.__version__} (CUDA {torch.cuda.is_available()}), transformers {transformers.__version__}")'
 "$venv/bin/perf_analyzer" --version >/dev/null 2>&1 || "$venv/bin/perf_analyzer" --help >/dev/null
 
-threads="$(nproc)"
+# Engines are built with the host's own Python: transformers' modeling code imports the host's scipy, which needs
+# the host's numpy 2. Only the server's stub and the perf client run in the numpy<2 venv (EXECUTION_ENV_PATH).
+# The builder still needs tritonclient (Triton's config protobuf): the bundle's wheels but numpy, on PYTHONPATH.
+if [ ! -d "$WORK/buildsite/tritonclient" ]; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/buildsite" \
+    $(ls "$b"/wheels/*.whl | grep -v /numpy-)
+fi
+build=(env PYTHONPATH="$WORK/buildsite" "$PYTHON" -m build_engines --execution-env "$venv" --prepare-threads "$(nproc)")
 if [ "${TINY:-0}" = 1 ]; then
-  "$py" -m build_engines all --tiny --prepare-threads "$threads"
+  "${build[@]}" all --tiny
 else
-  "$py" -m build_engines vit --random-init vit-b16-224 --runtime torch --precision fp16 --device cuda \
-    --prepare-threads "$threads"
-  "$py" -m build_engines clip --random-init clip-vit-l14-336 --runtime torch --precision bf16 --device cuda \
-    --prepare-threads "$threads"
+  "${build[@]}" vit --random-init vit-b16-224 --runtime torch --precision fp16 --device cuda
+  "${build[@]}" clip --random-init clip-vit-l14-336 --runtime torch --precision bf16 --device cuda
 fi
 
 # shellcheck disable=SC2086

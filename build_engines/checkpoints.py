@@ -48,10 +48,12 @@ def tiny_clip_tokenizer(model_max_length: int = 77):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
-def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|begin_of_text|>", "<|end_of_text|>")):
+def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|begin_of_text|>", "<|end_of_text|>"),
+                         add_bos: bool = False):
     """A GPT-2/Llama-3-style byte-level BPE fast tokenizer: every byte is a token, plus one merged token per word in
-    `words` (with its leading space, as byte-level BPE spells words). With no words, N bytes are exactly N tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    `words` (with its leading space, as byte-level BPE spells words). With no words, N bytes are exactly N tokens.
+    `add_bos` prepends the first special token to every encoding, as Llama 3's tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -70,7 +72,42 @@ def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{specials[0]} $A", pair=f"{specials[0]} $A $B", special_tokens=[(specials[0], vocab[specials[0]])])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=specials[0], eos_token=specials[1])
+
+
+TINY_LLM_WORDS = TINY_WORDS + "is in the a to of it that was for with as on be at by this".split()
+
+
+def tiny_llm(out: Path, model_type: str = "llama", hidden_size: int = 64, num_hidden_layers: int = 2,
+             num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int = 128,
+             max_position_embeddings: int = 512, **extra) -> Path:
+    """A Llama (or Qwen2) decoder with grouped-query attention and a byte-level tokenizer that adds BOS."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = byte_level_tokenizer(TINY_LLM_WORDS, add_bos=True)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random init is tiny; scale it up so greedy outputs vary instead of repeating one token
+        for name, param in model.named_parameters():
+            if param.dim() == 2 or name.endswith("bias"):
+                param.normal_(0, 0.2)
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tiny_qwen2(out: Path) -> Path:
+    return tiny_llm(out, model_type="qwen2")
 
 
 TINY_CLIP_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -95,7 +132,7 @@ def tiny_clip(out: Path, text: dict = TINY_CLIP_TEXT, vision: dict = TINY_CLIP_V
     return out
 
 
-TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip}
+TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip, "llm": tiny_llm, "qwen2": tiny_qwen2}
 
 # Real-size architectures with random weights, for GPU benchmarks: preset -> (family, builder arguments)
 RANDOM_INIT = {

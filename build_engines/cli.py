@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from build_engines.checkpoints import RANDOM_INIT, TINY_ROOT, random_init_checkpoint, tiny_checkpoint
-from build_engines.targets import FAMILIES, BuildOptions
+from build_engines.targets import DEFAULT_RUNTIME, FAMILIES, BuildOptions
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -18,7 +18,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument("--random-init", choices=sorted(RANDOM_INIT),
                         help="real-size architecture with random weights (for benchmarks; saved under "
                              f"{TINY_ROOT}/)")
-    parser.add_argument("--runtime", choices=["onnxruntime", "torch", "tensorrt"], default="onnxruntime")
+    parser.add_argument("--runtime", choices=["onnxruntime", "torch", "tensorrt", "tensorrt_llm"],
+                        help=f"default per family: {DEFAULT_RUNTIME}")
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--max-batch-size", type=int, default=64)
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint = random_init_checkpoint(args.random_init)[1]
         else:
             checkpoint = args.checkpoint or tiny_checkpoint(family)
-        opts = BuildOptions(checkpoint, args.runtime, args.precision, args.repository, args.max_batch_size,
-                            args.max_queue_delay_us, args.instances, args.device, args.execution_env,
+        opts = BuildOptions(checkpoint, args.runtime or DEFAULT_RUNTIME[family], args.precision, args.repository,
+                            args.max_batch_size, args.max_queue_delay_us, args.instances, args.device, args.execution_env,
                             args.prepare_threads, args.force)
         try:
             FAMILIES[family](opts)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from build_engines.export import EngineSpec, build_tensorrt, export_onnx, export_torch, profile_shapes, \
+from build_engines.export import EngineSpec, VerificationError, build_tensorrt, export_onnx, export_torch, profile_shapes, \
     tensorrt_unavailable, verify
 from build_engines.repository import PythonModelConfig, Tensor, execution_env, sample_png, write_engine_metadata, \
     write_model
@@ -247,4 +247,101 @@ def build_clip(opts: BuildOptions) -> None:
             max_batch_size=0, max_queue_delay_us=None, instances=2, kind="KIND_CPU", parameters=pipeline_params))
 
 
-FAMILIES = {"vit": build_vit, "clip": build_clip}
+
+LLM_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+             "chat_template.jinja")
+VERIFY_LLM_BELOW_BYTES = 512 * 2**20  # greedy parity with transformers on the CPU: cheap only for small models
+
+
+def build_llm(opts: BuildOptions) -> None:
+    """Copy the checkpoint and tokenizer into model_repository/llm/1 (the engine in backends/llm loads them as
+    they are), check greedy parity with transformers for small models, write the decoupled config."""
+    import shutil
+
+    from backends.generation import GENERATION_INPUTS
+    from backends.llm.model import ModelArgs
+
+    if opts.runtime == "tensorrt_llm":
+        return build_tensorrt_llm(opts)
+    if opts.runtime != "torch":
+        raise RuntimeError(f"llm runs on the engine in backends/llm (--runtime torch) or TensorRT-LLM "
+                           f"(--runtime tensorrt_llm), not --runtime {opts.runtime}")
+    if up_to_date(opts, ["llm"]):
+        print("llm: up to date")
+        return
+    ModelArgs.from_checkpoint(opts.checkpoint)  # an unsupported family fails here, before anything is copied
+    progress = Progress("llm", 3)
+    version_dir = opts.repository / "llm" / "1"
+    with progress.step(f"copying {opts.checkpoint} into {version_dir}"):
+        version_dir.mkdir(parents=True, exist_ok=True)
+        for stale in version_dir.glob("*.safetensors"):
+            stale.unlink()
+        for pattern in LLM_FILES:
+            for file in opts.checkpoint.glob(pattern):
+                shutil.copy2(file, version_dir / file.name)
+    size = sum(f.stat().st_size for f in version_dir.glob("*.safetensors"))
+    if size < VERIFY_LLM_BELOW_BYTES:
+        with progress.step("greedy tokens vs transformers generate on the CPU"):
+            verify_llm(version_dir)
+    else:
+        print(f"    parity check skipped: {size / 2**30:.1f} GiB of weights (tests cover the engine on tiny models)")
+    with progress.step("writing config.pbtxt"):
+        params = {k: v for k, v in common_parameters(opts).items() if k not in ("runtime", "prepare_threads")}
+        params["dtype"] = opts.precision
+        write_model(opts.repository, PythonModelConfig(
+            "llm", [Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS],
+            [Tensor("text_output", "BYTES", [1])], max_batch_size=0, max_queue_delay_us=None, instances=1,
+            kind=instance_kind(opts), parameters=params, decoupled=True))
+        write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
+                              fingerprint=opts.fingerprint("llm"), checkpoint=str(opts.checkpoint.resolve()))
+
+
+def verify_llm(checkpoint: Path, prompts=("a photo of the cat", "red car"), tokens: int = 8) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.generation import SamplingParams
+    from backends.llm.engine import EngineConfig, LLMEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=16))
+    for prompt, seq in zip(prompts, engine.generate(list(prompts), SamplingParams(max_tokens=tokens))):
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            expected = reference.generate(**ids, max_new_tokens=tokens, do_sample=False)[0, ids.input_ids.shape[1]:]
+        expected = expected.tolist()
+        if engine.eos_ids and expected[-1] in engine.eos_ids:
+            expected = expected[:-1]
+        if seq.output_ids != expected[:len(seq.output_ids)] or len(seq.output_ids) != len(expected):
+            raise VerificationError(f"llm: greedy tokens for {prompt!r} differ from transformers: "
+                                    f"{seq.output_ids} vs {expected}")
+
+
+def tensorrt_llm_unavailable() -> str | None:
+    try:
+        import tensorrt_llm  # noqa: F401
+    except ImportError:
+        return ("tensorrt_llm is not installed (its wheels come from NVIDIA's index, which this environment cannot "
+                "reach); build with --runtime torch")
+    return None
+
+
+
+def build_tensorrt_llm(opts: BuildOptions) -> None:
+    """A TensorRT-LLM engine through its documented LLM API, for tensorrtllm_backend. NOT verified here: TensorRT-LLM
+    cannot be installed in our environment, and the `llm` model in this repository serves the PyTorch engine only."""
+    if reason := tensorrt_llm_unavailable():
+        raise RuntimeError(reason)
+    from tensorrt_llm import LLM, BuildConfig
+
+    engine_dir = opts.repository / "llm" / "1" / "tensorrt_llm"
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[opts.precision]
+    llm = LLM(model=str(opts.checkpoint), dtype=dtype, build_config=BuildConfig(max_batch_size=opts.max_batch_size))
+    llm.save(str(engine_dir))
+    print(f"llm: TensorRT-LLM engine saved to {engine_dir}; serve it with tensorrtllm_backend (the `llm` model here "
+          "runs the PyTorch engine)")
+
+
+FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm}
+DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch"}

@@ -1,4 +1,4 @@
-"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity} ..."""
+"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity,generate} ..."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     similarity = sub.add_parser("similarity", help="score one image against texts with the clip pipeline")
     similarity.add_argument("image", type=Path)
     similarity.add_argument("texts", nargs="+")
+    generate = sub.add_parser("generate", help="text from the llm model (gRPC streaming)")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        args.protocol = "grpc"  # decoupled models answer over gRPC streaming only
     url = args.url or ("localhost:8000" if args.protocol == "http" else "localhost:8001")
     client = Client(url, args.protocol)
     np.set_printoptions(precision=4, suppress=True)
@@ -40,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.text:
             for text, vector in zip(args.text, client.embed_texts(args.text)):
                 print(f"{text!r}: dim {vector.size}, {vector[:6]} ...")
+    elif args.command == "generate":
+        optional = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
+                                      ("seed", args.seed), ("stop", args.stop)) if v is not None}
+        for delta in client.generate(args.prompt, args.max_tokens, stream=args.stream, **optional):
+            print(delta, end="", flush=True)
+        print()
     else:
         scores, probs = client.similarity(args.image.read_bytes(), args.texts)
         for text, score, prob in zip(args.texts, scores, probs):

@@ -1,7 +1,10 @@
 """A small typed SDK over tritonclient: the same calls over HTTP or gRPC, errors as tritonclient raises them."""
 from __future__ import annotations
 
+import queue
+import uuid
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -62,6 +65,29 @@ class Client:
         out = self.infer("clip", {"image": np.array([image], dtype=object),
                                   "text": np.array([t.encode() for t in texts], dtype=object)}, ["scores", "probs"])
         return out["scores"], out["probs"]
+
+    def generate(self, prompt: str, max_tokens: int = 64, stream: bool = True, model: str = "llm",
+                 timeout_s: float = 300.0, **optional) -> Iterator[str]:
+        """Text from a decoupled generating model over gRPC streaming: deltas as they arrive (stream=True) or the
+        whole answer once. `optional`: temperature, top_k, top_p, seed, stop, min_length. Errors raise."""
+        if self.protocol != "grpc":
+            raise ValueError("generation streams over gRPC only (decoupled models): use protocol='grpc'")
+        responses: queue.Queue = queue.Queue()
+        self.triton.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            self.triton.async_stream_infer(model, generation_inputs(self.api, prompt, max_tokens, stream, **optional),
+                                           request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+            while True:
+                result, error = responses.get(timeout=timeout_s)
+                if error is not None:
+                    raise error
+                text = result.as_numpy("text_output")
+                if text is not None and text.size and text.reshape(-1)[0]:
+                    yield text.reshape(-1)[0].decode()
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            self.triton.stop_stream(cancel_requests=True)
 
     def close(self) -> None:
         self.triton.close()

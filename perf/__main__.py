@@ -18,7 +18,7 @@ from backends.server import TritonServer, free_port
 from backends.triton_model import model_parameters
 from build_engines.checkpoints import byte_level_tokenizer
 from perf import genai_perf
-from perf.analyzer import LoadPoint, run_perf_analyzer
+from perf.analyzer import LoadPoint, UnstableMeasurement, run_perf_analyzer
 from perf.gpu import GpuUtilization
 from perf.baseline import in_process_throughput
 from perf.inputs import IMAGE_SETS, model_input_data, model_items
@@ -32,28 +32,33 @@ GENAI_PERF_LOADS = [(1, 32, 64), (16, 32, 64), (64, 32, 64)]
 
 
 def sweep(model: str, server: TritonServer, data: Path, tmp: Path, kind: str, levels: list[float],
-          interval_ms: int) -> tuple[list[LoadPoint], str | None]:
+          interval_ms: int) -> tuple[list[LoadPoint], str | None, list[str]]:
     """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
-    mean GPU utilisation during it. Returns the points and where the utilisation came from (None: no GPU)."""
-    points, source = [], None
+    mean GPU utilisation during it. Returns the points, where the utilisation came from (None: no GPU) and notes on
+    levels left out because perf_analyzer found no stable measurement there."""
+    points, source, notes = [], None, []
     for level in levels:
         value = f"{level:g}"
         args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
-        with GpuUtilization(server.metrics_url) as gpu:
-            (point,) = run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
-                                         interval_ms=interval_ms, **args)
+        try:
+            with GpuUtilization(server.metrics_url) as gpu:
+                (point,) = run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
+                                             interval_ms=interval_ms, **args)
+        except UnstableMeasurement:
+            notes.append(f"{kind} {value}: perf_analyzer found no stable measurement (6 trials); left out.")
+            continue
         points.append(dataclasses.replace(point, gpu_util=gpu.mean))
         source = source or gpu.source
-    return points, source
+    return points, source, notes
 
 
 def bench_model(model: str, server: TritonServer, repository: Path, results: Path, tmp: Path,
                 concurrency: list[int], interval_ms: int, hardware: str, image_set: str = "mixed") -> None:
     data = model_input_data(model, tmp, image_set)
-    by_concurrency, gpu_source = sweep(model, server, data, tmp, "concurrency", concurrency, interval_ms)
+    by_concurrency, gpu_source, unstable = sweep(model, server, data, tmp, "concurrency", concurrency, interval_ms)
     peak = max(p.throughput for p in by_concurrency)
     rates = [round(peak * f, 1) for f in (0.25, 0.5, 0.75)]
-    by_rate, _ = sweep(model, server, data, tmp, "request_rate", rates, interval_ms)
+    by_rate, _, unstable_rates = sweep(model, server, data, tmp, "request_rate", rates, interval_ms)
     client = grpcclient.InferenceServerClient(server.grpc_url)  # gRPC only: the GPU bundle carries no HTTP client deps
     config = client.get_model_config(model, as_json=True)["config"]
     client.close()
@@ -68,9 +73,10 @@ def bench_model(model: str, server: TritonServer, repository: Path, results: Pat
     if gpu_source:
         notes.append(f"GPU util: mean during each perf_analyzer run, from {gpu_source}.")
     scenario = model if image_set == "mixed" else f"{model}-{image_set}"
-    write_sweep(results, f"{scenario}-concurrency", "concurrency", by_concurrency, hardware, notes)
+    write_sweep(results, f"{scenario}-concurrency", "concurrency", by_concurrency, hardware, notes + unstable)
     write_sweep(results, f"{scenario}-request-rate", "request rate (req/s)", by_rate, hardware,
-                [f"Rates are 25/50/75% of the concurrency sweep's peak ({peak:.1f} infer/s).", *notes[:1]])
+                [f"Rates are 25/50/75% of the concurrency sweep's peak ({peak:.1f} infer/s).", *notes[:1],
+                 *unstable_rates])
     print(f"{scenario}: peak {peak:.1f} infer/s, in-process {baseline:.1f}, ratio {peak / baseline:.2f}", flush=True)
 
 

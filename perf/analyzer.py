@@ -26,6 +26,10 @@ class LoadPoint:
     gpu_util: float | None = None  # mean over the run (0..1), set by the caller when it measured one
 
 
+class UnstableMeasurement(RuntimeError):
+    """perf_analyzer found no stable window at this load (it exits non-zero and writes no CSV)."""
+
+
 def parse_csv(path: Path) -> list[LoadPoint]:
     """perf_analyzer's `-f` CSV (with --verbose-csv), sorted by load (the file is sorted by throughput)."""
     points = []
@@ -51,6 +55,8 @@ def run_perf_analyzer(model: str, url: str, input_data: Path, csv_path: Path, *,
            "--measurement-interval", str(interval_ms), "--stability-percentage", "100", "--max-trials", "6",
            "--percentile=99", "-f", str(csv_path), "--verbose-csv", *(extra or [])]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if run.returncode != 0 and "Failed to obtain stable measurement" in run.stdout + run.stderr:
+        raise UnstableMeasurement(f"{model}: no stable measurement at {concurrency or request_rate}")
     if run.returncode != 0:
         raise RuntimeError(f"perf_analyzer failed ({run.returncode}): {' '.join(cmd)}\n{run.stdout[-3000:]}"
                            f"{run.stderr[-2000:]}")

@@ -40,9 +40,14 @@ def clip_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
-def repository(vit_checkpoint, clip_checkpoint) -> Path:
+def llm_checkpoint() -> Path:
+    return tiny_checkpoint("llm", ROOT / ".checkpoints")
+
+
+@pytest.fixture(scope="session")
+def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint) -> Path:
     """The default tiny engines in model_repository/ (built once; skipped when up to date)."""
-    for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint)):
+    for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint), ("llm", llm_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
     return REPOSITORY
 

@@ -1,0 +1,52 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is a pair of tensors [num_blocks, block_size, kv_heads, head_dim]; a sequence's keys live in
+the blocks its block table lists, in order. Every step first writes the new tokens' keys and values into their slots,
+then each query attends to its sequence's cached keys up to its own position: one code path for prefill (many
+queries per sequence, possibly after a cached prefix) and decode (one query per sequence).
+
+This is the portable implementation (gather the blocks, then PyTorch's scaled_dot_product_attention with a causal
+mask); it runs on CPU and GPU. A fused paged-attention kernel can replace `paged_attention` without touching callers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one step go and what they attend to. B sequences, T new tokens in all."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0 (masked out by positions)
+    query_positions: torch.Tensor  # [B, max_query_len] position of each query, padded with 0
+    token_index: tuple[torch.Tensor, torch.Tensor] | None  # (seq, query) of each of the T tokens; None: decode
+    max_context_len: int  # longest sequence in the cache after this step
+
+
+def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    k_cache, v_cache = kv
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+    k_cache, v_cache = kv
+    batch, max_query = meta.query_positions.shape
+    blocks = meta.block_tables[:, :-(-meta.max_context_len // k_cache.shape[1])]
+    keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
+    values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    if meta.token_index is None:
+        queries = q.view(batch, 1, *q.shape[1:])
+    else:
+        queries = q.new_zeros(batch, max_query, *q.shape[1:])
+        queries[meta.token_index] = q
+    key_positions = torch.arange(keys.shape[2], device=q.device)
+    mask = key_positions[None, None, None, :] <= meta.query_positions[:, None, :, None]  # causal, and in the cache
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=mask,
+                                         enable_gqa=keys.shape[1] != q.shape[1]).transpose(1, 2)
+    return out.reshape(q.shape) if meta.token_index is None else out[meta.token_index]

@@ -1,0 +1,176 @@
+"""LLMEngine: continuous batching over a paged KV cache. One step = schedule, run, postprocess.
+
+    engine = LLMEngine(checkpoint_dir, EngineConfig(dtype="bf16"))
+    seq = engine.add("Hello", SamplingParams(max_tokens=32))
+    while engine.has_work:
+        for s in engine.step():          # sequences that produced a token this step
+            print(pending_text(s), end="")
+
+The engine is not thread-safe: one loop owns it (the Triton adapter's background thread), and other threads hand
+it requests through that loop.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from backends.errors import InvalidInput
+from backends.generation import SamplingParams
+from backends.llm.detokenizer import append_text, flush_text
+from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
+from backends.llm.model import load_model
+from backends.llm.runner import ModelRunner
+from backends.llm.sampling import sample
+from backends.llm.scheduler import Scheduler
+from backends.llm.sequence import Sequence
+
+log = logging.getLogger(__name__)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "bf16"
+    device: str = "auto"  # auto: cuda when available
+    block_size: int = 16
+    max_batch: int = 64  # sequences running at once
+    max_prefill_tokens: int = 8192  # prompt tokens in one prefill step (one longer prompt still runs alone)
+    max_model_len: int | None = None  # prompt + output; default: the checkpoint's max_position_embeddings
+    kv_cache_memory_mb: int | None = None  # default: 256 MiB on CPU; on GPU what gpu_memory_utilization leaves
+    kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget
+    gpu_memory_utilization: float = 0.9
+
+    @classmethod
+    def from_params(cls, params: dict[str, str]) -> EngineConfig:
+        """From Triton model-config parameters (strings); unknown keys are ignored, bad values raise ValueError."""
+        kinds = {"dtype": str, "device": str, "block_size": int, "max_batch": int, "max_prefill_tokens": int,
+                 "max_model_len": int, "kv_cache_memory_mb": int, "kv_cache_blocks": int,
+                 "gpu_memory_utilization": float}
+        return cls(**{k: kinds[k](v) for k, v in params.items() if k in kinds and v != ""})
+
+
+@dataclass
+class EngineStats:
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0  # sum of decode batch sizes
+    max_decode_batch: int = 0
+    generated_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+
+class LLMEngine:
+    def __init__(self, checkpoint: Path, config: EngineConfig = EngineConfig()):
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.config = config
+        device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.dtype = DTYPES[config.dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.model = load_model(checkpoint, self.dtype, self.device)
+        args = self.model.args
+        self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        eos = set(args.eos_token_ids)
+        if (Path(checkpoint) / "generation_config.json").exists():
+            generation_eos = GenerationConfig.from_pretrained(checkpoint).eos_token_id
+            eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos
+                       is not None else [])
+        self.eos_ids = tuple(sorted(eos))
+        per_block = kv_bytes_per_block(args.num_hidden_layers, config.block_size, args.num_key_value_heads,
+                                       args.head_dim, self.dtype)
+        num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.kv_cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, config.block_size,
+                                          args.num_key_value_heads, args.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens)
+        self.stats = EngineStats()
+        log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", args.model_type, config.dtype,
+                 self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory_mb:
+            return self.config.kv_cache_memory_mb * 2**20
+        if self.device.type != "cuda":
+            return 256 * 2**20
+        free, total = torch.cuda.mem_get_info(self.device)
+        # the weights are loaded; leave room for the largest prefill's activations (a measured warm-up would be
+        # tighter: logits for max_prefill_tokens rows are the largest single buffer)
+        activations = 8 * self.config.max_prefill_tokens * (self.model.args.hidden_size * 4
+                                                            + self.model.args.intermediate_size * 2)
+        return int(free - (1 - self.config.gpu_memory_utilization) * total - activations)
+
+    # --- requests -------------------------------------------------------------------------------------------
+    def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0
+            ) -> Sequence:
+        """Queue a request; raises InvalidInput when it cannot fit the context or the KV cache."""
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidInput("the prompt has no tokens")
+        total = len(ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise InvalidInput(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
+                               f"the context length {self.max_model_len}")
+        if -(-total // self.blocks.block_size) > self.blocks.num_blocks:
+            raise InvalidInput(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
+                               f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
+        seq = Sequence(ids, sampling, request_id, priority)
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a sequence now; its KV blocks return to the pool before this returns."""
+        if not seq.finished:
+            self._finish(seq, "cancelled")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Run one prefill or decode step; returns the sequences that got a token (some may have finished)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+        tokens = sample(logits, seqs, self.eos_ids)
+        if is_prefill:
+            self.stats.prefill_steps += 1
+        else:
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(seqs)
+            self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(seqs))
+        for seq, token in zip(seqs, tokens):
+            self._append(seq, token)
+        return seqs
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.num_cached = seq.num_tokens
+        seq.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        if token in self.eos_ids:  # the sampler never picks EOS before min_tokens
+            seq.output_ids.pop()  # EOS ends the output; it is not part of it
+            flush_text(self.tokenizer, seq)
+            self._finish(seq, "stop")
+        elif append_text(self.tokenizer, seq, check_stop=len(seq.output_ids) >= seq.sampling.min_tokens):
+            self._finish(seq, "stop")
+        elif len(seq.output_ids) >= seq.sampling.max_tokens:
+            flush_text(self.tokenizer, seq)
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def generate(self, prompts: list[str | list[int]], sampling: SamplingParams) -> list[Sequence]:
+        """Offline use: run all prompts to completion, batched together."""
+        seqs = [self.add(p, sampling) for p in prompts]
+        while self.has_work:
+            self.step()
+        return seqs

@@ -1,0 +1,209 @@
+"""Decoder-only transformer (Llama and Qwen2 families) over the engine's paged KV cache.
+
+Tokens of a step arrive flattened ([T] ids, [T] positions); `AttentionMetadata` says which sequence each belongs
+to and where its keys live. The weights load straight from a Hugging Face checkpoint's safetensors (q/k/v and
+gate/up fused on load, so a step runs two matmuls per attention block and two per MLP). The linear layers are plain
+`torch.nn.Linear`, kept behind `make_linear` so quantised (FP8) or LoRA layers can replace them later.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What the engine needs from config.json (Hugging Face names)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2 has q/k/v biases
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> ModelArgs:
+        raw = json.loads((Path(path) / "config.json").read_text())
+        if raw.get("model_type") not in SUPPORTED:
+            raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED)})")
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        return cls(raw["model_type"], raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"],
+                   raw["num_hidden_layers"], heads, raw.get("num_key_value_heads") or heads,
+                   raw.get("head_dim") or raw["hidden_size"] // heads, raw["rms_norm_eps"],
+                   raw["max_position_embeddings"], raw.get("tie_word_embeddings", False),
+                   raw.get("attention_bias", raw["model_type"] == "qwen2"),
+                   tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+
+
+def make_linear(in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """The seam for FP8 / LoRA linear layers."""
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class RMSNorm(nn.Module):
+    """As Hugging Face's: normalise in fp32, scale in the model dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split layout (Hugging Face's rotate_half). x: [T, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias)
+        self.o_proj = make_linear(self.q_size, args.hidden_size, False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotate(q.view(-1, self.heads, self.head_dim), cos, sin)
+        k = rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
+        write_kv(kv, k, v.view(-1, self.kv_heads, self.head_dim), meta.slot_mapping)
+        return self.o_proj(paged_attention(q, kv, meta).reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up_proj = make_linear(args.hidden_size, 2 * args.intermediate_size, False)
+        self.down_proj = make_linear(args.intermediate_size, args.hidden_size, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, args: ModelArgs, rope_config=None):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = make_linear(args.hidden_size, args.vocab_size, False)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def set_rope(self, hf_config) -> None:
+        """cos/sin tables for every position, from transformers' own rotary code (any rope_type it supports)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rope = LlamaRotaryEmbedding(hf_config)
+        positions = torch.arange(self.args.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * rope.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        self.cos = (angles.cos() * rope.attention_scaling).to(device=device, dtype=dtype)
+        self.sin = (angles.sin() * rope.attention_scaling).to(device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token of the step (logits are computed only where they are read)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer, kv in zip(self.layers, kv_cache):
+            x = layer(x, cos, sin, kv, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str | torch.device) -> DecoderModel:
+    """Build the model on `device` and copy the checkpoint's tensors in, fusing q/k/v and gate/up."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = Path(path)
+    args = ModelArgs.from_checkpoint(path)
+    with torch.device("meta"):
+        model = DecoderModel(args)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    loaded = set()
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                tensor = f.get_tensor(key)
+                parts = name.split(".")
+                if len(parts) > 3 and parts[-2] in fused:
+                    target, shard = fused[parts[-2]]
+                    name = ".".join([*parts[:-2], target, parts[-1]])
+                    param = params[name]
+                    sizes = _shard_sizes(args, target, param.shape[0])
+                    start = sum(sizes[:shard])
+                    param.data[start:start + sizes[shard]].copy_(tensor)
+                    loaded.add((name, shard))
+                elif name in params:
+                    params[name].data.copy_(tensor)
+                    loaded.add((name, 0))
+    if ("lm_head.weight", 0) not in loaded:  # tied embeddings
+        model.lm_head.weight = model.embed_tokens.weight
+        loaded.add(("lm_head.weight", 0))
+    missing = [n for n, p in params.items() if n != "lm_head.weight" and not any(
+        (n, s) in loaded for s in range(3))]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    model.set_rope(AutoConfig.from_pretrained(path))
+    return model.eval()
+
+
+def _shard_sizes(args: ModelArgs, target: str, total: int) -> list[int]:
+    if target == "qkv_proj":
+        q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+        return [q, kv, kv]
+    return [total // 2, total // 2]

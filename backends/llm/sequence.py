@@ -1,0 +1,51 @@
+"""All per-request state of the engine lives in one `Sequence`; the scheduler only moves sequences between queues."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backends.generation import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    request_id: str = ""
+    priority: int = 0  # lower runs first; the QoS issue adds classes and aging
+    arrival: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # leading tokens whose keys and values are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "length", "stop" (EOS or a stop string), "cancelled"
+    preemptions: int = 0
+    generator: torch.Generator | None = None  # seeded per request, so sampling is reproducible in any batch
+    text: str = ""  # detokenised output so far (stop strings already cut)
+    emitted: int = 0  # characters of `text` already handed to the caller
+    _decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenisation window (prefix, read)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

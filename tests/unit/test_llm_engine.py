@@ -1,0 +1,137 @@
+"""The LLM engine against transformers on the same tiny checkpoints: greedy tokens identical alone and batched,
+under preemption, after cancellation; sampling, stop strings, min_tokens and input limits."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from backends.errors import InvalidInput
+from backends.generation import SamplingParams
+from backends.llm.detokenizer import pending_text
+from backends.llm.engine import EngineConfig, LLMEngine
+from build_engines.checkpoints import tiny_checkpoint
+from tests.conftest import ROOT
+
+PROMPTS = ["a photo of the cat", "red car", "the dog is on the grass and the person is in the tree with a blue car",
+           "x", "tree tree tree", "it was a cat that sat on the red car by the tree", "blue", "of"]
+
+
+@pytest.fixture(scope="module", params=["llm", "qwen2"])
+def checkpoint(request):
+    return tiny_checkpoint(request.param, ROOT / ".checkpoints")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    def greedy(prompt: str, max_tokens: int) -> list[int]:
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.input_ids.shape[1]:]
+        out = out.tolist()
+        return out[:-1] if out and out[-1] == tokenizer.eos_token_id else out  # the engine does not return EOS
+    return greedy
+
+
+def make_engine(checkpoint, **overrides) -> LLMEngine:
+    return LLMEngine(checkpoint, EngineConfig(**{"dtype": "fp32", "device": "cpu", "kv_cache_memory_mb": 8,
+                                                 **overrides}))
+
+
+def test_greedy_batch_of_mixed_lengths_equals_transformers(checkpoint, reference):
+    engine = make_engine(checkpoint)
+    seqs = engine.generate(PROMPTS, SamplingParams(max_tokens=24))
+    for prompt, seq in zip(PROMPTS, seqs):
+        assert seq.output_ids == reference(prompt, 24), prompt
+        assert seq.text == engine.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+    assert engine.stats.max_decode_batch == len(PROMPTS)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_32_concurrent_sequences_equal_their_solo_runs(checkpoint):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " the" * (i % 5) for i in range(32)]
+    lengths = [4 + (i * 7) % 29 for i in range(32)]
+    solo = []
+    for prompt, n in zip(prompts, lengths):
+        engine = make_engine(checkpoint)
+        solo.append(engine.generate([prompt], SamplingParams(max_tokens=n))[0].output_ids)
+    engine = make_engine(checkpoint)
+    seqs = [engine.add(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, lengths)]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == solo
+    assert engine.stats.max_decode_batch == 32 and engine.stats.decode_tokens > engine.stats.decode_steps
+
+
+def test_preempted_sequences_recompute_to_the_same_tokens(checkpoint, reference):
+    # 12 blocks of 4 tokens cannot hold 8 sequences growing to ~30 tokens: decode steps must preempt
+    engine = make_engine(checkpoint, block_size=4, kv_cache_blocks=12)
+    seqs = engine.generate(PROMPTS[:4] + PROMPTS[6:], SamplingParams(max_tokens=16))
+    assert engine.scheduler.preemptions > 0
+    for prompt, seq in zip(PROMPTS[:4] + PROMPTS[6:], seqs):
+        assert seq.output_ids == reference(prompt, 16), prompt
+    assert engine.blocks.num_free == 12
+
+
+def test_cancel_frees_blocks_at_once_and_others_continue(checkpoint, reference):
+    engine = make_engine(checkpoint)
+    keep, drop = engine.add(PROMPTS[0], SamplingParams(max_tokens=20)), engine.add(PROMPTS[2], SamplingParams(
+        max_tokens=20))
+    for _ in range(5):
+        engine.step()
+    held = len(drop.block_table)
+    free_before = engine.blocks.num_free
+    engine.cancel(drop)
+    assert drop.finish_reason == "cancelled" and engine.blocks.num_free == free_before + held > free_before
+    while engine.has_work:
+        engine.step()
+    assert keep.output_ids == reference(PROMPTS[0], 20)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(checkpoint):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, top_p=0.9, seed=1234)
+    alone = make_engine(checkpoint).generate([PROMPTS[0]], params)[0].output_ids
+    batched = make_engine(checkpoint).generate([PROMPTS[3], PROMPTS[0], PROMPTS[1]], params)[1].output_ids
+    other_seed = make_engine(checkpoint).generate([PROMPTS[0]], dataclasses.replace(params, seed=99))[0].output_ids
+    assert alone == batched and alone != other_seed
+    greedy = make_engine(checkpoint).generate([PROMPTS[0]], SamplingParams(max_tokens=16))[0].output_ids
+    top1 = make_engine(checkpoint).generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=5.0,
+                                                                          top_k=1))[0].output_ids
+    assert top1 == greedy
+
+
+def test_stop_string_cuts_the_text_and_finishes(checkpoint):
+    full = make_engine(checkpoint).generate([PROMPTS[0]], SamplingParams(max_tokens=30))[0]
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    engine = make_engine(checkpoint)
+    seq = engine.add(PROMPTS[0], SamplingParams(max_tokens=30, stop=(stop,)))
+    streamed = ""
+    while engine.has_work:
+        for s in engine.step():
+            streamed += pending_text(s)
+    assert seq.finish_reason == "stop" and seq.text == full.text[:full.text.find(stop)] == streamed
+    assert stop not in streamed
+
+
+def test_eos_ends_output_unless_min_tokens(checkpoint):
+    engine = make_engine(checkpoint)
+    first = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8))[0].output_ids[0]
+    engine.eos_ids = (first,)  # make the greedy first token the end of text
+    assert engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8))[0].output_ids == []
+    held = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8, min_tokens=3))[0]
+    assert len(held.output_ids) >= 3 and first not in held.output_ids[:3]
+
+
+def test_requests_that_cannot_fit_are_invalid(checkpoint):
+    engine = make_engine(checkpoint, max_model_len=64)
+    with pytest.raises(InvalidInput, match="exceeds the context length 64"):
+        engine.add("the " * 40, SamplingParams(max_tokens=30))
+    with pytest.raises(InvalidInput, match="exceeds the whole KV cache"):
+        make_engine(checkpoint, kv_cache_blocks=2).add("cat", SamplingParams(max_tokens=40))

@@ -63,7 +63,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, checkpoint: Path, config: EngineConfig = EngineConfig()):
+    def __init__(self, checkpoint: Path, config: EngineConfig = EngineConfig(), weights=None):
+        """`weights`: (name, tensor) pairs instead of the checkpoint's safetensors (see model.load_model)."""
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
@@ -71,7 +72,7 @@ class LLMEngine:
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.model = load_model(checkpoint, self.dtype, self.device)
+        self.model = load_model(checkpoint, self.dtype, self.device, weights)
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         eos = set(args.eos_token_ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -122,7 +123,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, args: ModelArgs, rope_config=None):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -157,9 +158,28 @@ class DecoderModel(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str | torch.device) -> DecoderModel:
-    """Build the model on `device` and copy the checkpoint's tensors in, fusing q/k/v and gate/up."""
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in a checkpoint's safetensors files, one at a time."""
     from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
+               tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> DecoderModel:
+    """Build the model on `device` from config.json and copy the weights in (Hugging Face names; q/k/v and gate/up
+    fused on the way). `tensors` defaults to the checkpoint's safetensors; a live transformers model's
+    `named_parameters()` works too (benchmarks with random weights)."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -168,36 +188,27 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device) -> De
         model = DecoderModel(args)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
-    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    loaded = set()
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                name = key.removeprefix("model.")
-                tensor = f.get_tensor(key)
-                parts = name.split(".")
-                if len(parts) > 3 and parts[-2] in fused:
-                    target, shard = fused[parts[-2]]
-                    name = ".".join([*parts[:-2], target, parts[-1]])
-                    param = params[name]
-                    sizes = _shard_sizes(args, target, param.shape[0])
-                    start = sum(sizes[:shard])
-                    param.data[start:start + sizes[shard]].copy_(tensor)
-                    loaded.add((name, shard))
-                elif name in params:
-                    params[name].data.copy_(tensor)
-                    loaded.add((name, 0))
+    loaded: set[tuple[str, int]] = set()
+    for key, tensor in checkpoint_tensors(path) if tensors is None else tensors:
+        parts = key.removeprefix("model.").split(".")
+        if len(parts) > 3 and parts[-2] in FUSED:
+            target, shard = FUSED[parts[-2]]
+            name = ".".join([*parts[:-2], target, parts[-1]])
+            sizes = _shard_sizes(args, target, params[name].shape[0])
+            start = sum(sizes[:shard])
+            params[name].data[start:start + sizes[shard]].copy_(tensor)
+        else:
+            name, shard = ".".join(parts), 0
+            if name not in params:
+                continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            params[name].data.copy_(tensor)
+        loaded.add((name, shard))
     if ("lm_head.weight", 0) not in loaded:  # tied embeddings
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add(("lm_head.weight", 0))
-    missing = [n for n, p in params.items() if n != "lm_head.weight" and not any(
-        (n, s) in loaded for s in range(3))]
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    expected = {(n, s) for n in params for s in range(3 if "qkv_proj" in n else 2 if "gate_up" in n else 1)}
+    if missing := sorted(expected - loaded):
+        raise ValueError(f"{path}: checkpoint lacks {[n for n, _ in missing[:5]]}{' ...' if len(missing) > 5 else ''}")
     model.set_rope(AutoConfig.from_pretrained(path))
     return model.eval()
 

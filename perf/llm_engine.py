@@ -1,0 +1,181 @@
+"""python -m perf.llm_engine: the LLM engine in process, beside transformers `generate` in the same run.
+
+1. copy bandwidth of the device (a large device-to-device copy; bytes read + written), the ceiling of decoding;
+2. decode tokens/s at batch 1 against the roofline = bandwidth / bytes one decode step must read (every weight
+   except the embedding table, plus the sequence's KV cache), and transformers at batch 1;
+3. total output tokens/s of N concurrent requests of I input and O output tokens: the engine (continuous batching,
+   all requests added at once) against transformers `generate` with one static batch of N.
+Output lengths are forced (min_tokens = max_tokens, transformers' min_new_tokens) so both produce the same tokens
+count. Weights: a local checkpoint, the tiny one, or a real-size random init (`--random-init llama-3-8b`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from backends.generation import SamplingParams
+from backends.llm.engine import DTYPES, EngineConfig, EngineStats, LLMEngine
+from build_engines.checkpoints import byte_level_tokenizer, tiny_checkpoint
+from perf.report import hardware_line, stem, write_table
+
+LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                  rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, repeats: int = 10) -> float:
+    """Bytes/s moved by a device-to-device copy (read + write)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - start)
+
+
+def decode_bytes(engine: LLMEngine, context: int) -> int:
+    """Bytes one batch-1 decode step reads: all weights but the embedding table (one row of it), plus the KV cache."""
+    model, args = engine.model, engine.model.args
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    if model.lm_head.weight is model.embed_tokens.weight:
+        weights += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    kv = 2 * args.num_hidden_layers * context * args.num_key_value_heads * args.head_dim * engine.dtype.itemsize
+    return weights + kv
+
+
+def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (count, length), generator=generator).tolist()
+
+
+def engine_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> float:
+    """Decode tokens/s of one sequence (the prefill step is not counted)."""
+    seq = engine.add(prompt, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens))
+    engine.step()  # prefill
+    sync(engine.device)
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    sync(engine.device)
+    return (len(seq.output_ids) - 1) / (time.perf_counter() - start)
+
+
+def engine_concurrent(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> float:
+    """Output tokens/s of all requests added at once, from the first step to the last token."""
+    sync(engine.device)
+    start = time.perf_counter()
+    seqs = [engine.add(p, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens)) for p in batch]
+    while engine.has_work:
+        engine.step()
+    sync(engine.device)
+    return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - start)
+
+
+def transformers_generate(model, batch: list[list[int]], new_tokens: int, device: torch.device) -> float:
+    """Output tokens/s of one static batch through transformers `generate` (greedy, forced length)."""
+    ids = torch.tensor(batch, device=device)
+    with torch.inference_mode():
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False)
+        sync(device)
+    return (out.shape[1] - ids.shape[1]) * len(batch) / (time.perf_counter() - start)
+
+
+def load_reference(args, device: torch.device, dtype: torch.dtype):
+    """(checkpoint dir the engine reads config/tokenizer from, transformers model, weights for the engine)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.random_init:
+        folder = Path(tempfile.mkdtemp(prefix="llm-random-"))
+        config = AutoConfig.for_model(**LLAMA_3_8B)
+        config.save_pretrained(folder)
+        byte_level_tokenizer(add_bos=True).save_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model.to_empty(device=device)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.02)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)  # meta left its buffers empty
+        return folder, model.eval(), list(model.named_parameters())
+    checkpoint = args.checkpoint or tiny_checkpoint("llm")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    return checkpoint, model, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.llm_engine", description=__doc__)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", type=Path)
+    source.add_argument("--random-init", choices=["llama-3-8b"])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--input-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default=__import__("socket").gethostname())
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device)
+    checkpoint, reference, weights = load_reference(args, device, dtype)
+    engine = LLMEngine(checkpoint, EngineConfig(dtype=args.dtype, device=str(device), max_batch=args.concurrency,
+                                                kv_cache_memory_mb=None if device.type == "cuda" else 512), weights)
+    del weights
+    vocab = engine.model.args.vocab_size
+    one = prompts(1, args.input_tokens, vocab, seed=1)
+    batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
+    engine_concurrent(engine, prompts(4, 16, vocab, seed=3), 4)  # warm-up
+    transformers_generate(reference, one, 4, device)
+
+    rows = []
+    print("measuring batch 1 ...", flush=True)
+    ours_1 = engine_batch1(engine, one[0], args.batch1_tokens)
+    roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
+    theirs_1 = transformers_generate(reference, one, min(args.batch1_tokens, 32), device)
+    rows.append(["decode tokens/s, batch 1", f"{ours_1:.1f}", f"{theirs_1:.1f}", f"{ours_1 / theirs_1:.2f}",
+                 f"roofline {roofline:.1f} ({100 * ours_1 / roofline:.0f}% reached)"])
+    print(f"batch 1: engine {ours_1:.1f}, transformers {theirs_1:.1f} tokens/s; concurrent ...", flush=True)
+    engine.stats = EngineStats()
+    ours_n = engine_concurrent(engine, batch, args.output_tokens)
+    stats = engine.stats
+    theirs_n = transformers_generate(reference, batch, args.output_tokens, device)
+    rows.append([f"output tokens/s, {args.concurrency} x {args.input_tokens} in / {args.output_tokens} out",
+                 f"{ours_n:.1f}", f"{theirs_n:.1f}", f"{ours_n / theirs_n:.2f}",
+                 f"mean decode batch {stats.decode_tokens / max(stats.decode_steps, 1):.1f}"])
+    shape = (f"{engine.model.args.model_type}, {sum(p.numel() for p in engine.model.parameters()) / 1e9:.2f} B "
+             f"parameters, {args.dtype}, {'random init' if args.random_init else checkpoint}")
+    notes = [f"Model: {shape}. Device copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s (read + write).",
+             "Roofline at batch 1 = bandwidth / (weights except the embedding table + KV cache at the mean context).",
+             "transformers: `generate`, greedy, static batch, forced output length; at batch 1 over "
+             f"{min(args.batch1_tokens, 32)} tokens (prefill included, so slightly pessimistic for it).",
+             f"Engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks."]
+    hardware = hardware_line("n/a (in-process)")
+    path = write_table(args.results / args.host, "llm-engine", ["measure", "engine", "transformers", "ratio", "note"],
+                       rows, hardware, notes)
+    print(hardware, *notes, sep="\n")
+    print(path.read_text().split("\n\n")[2])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

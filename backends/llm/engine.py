@@ -42,14 +42,22 @@ class EngineConfig:
     kv_cache_memory_mb: int | None = None  # default: 256 MiB on CPU; on GPU what gpu_memory_utilization leaves
     kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget
     gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only)
+    graph_max_context: int = 4096  # longest context a graph covers; longer decode steps run eagerly
 
     @classmethod
     def from_params(cls, params: dict[str, str]) -> EngineConfig:
         """From Triton model-config parameters (strings); unknown keys are ignored, bad values raise ValueError."""
         kinds = {"dtype": str, "device": str, "block_size": int, "max_batch": int, "max_prefill_tokens": int,
                  "max_model_len": int, "kv_cache_memory_mb": int, "kv_cache_blocks": int,
-                 "gpu_memory_utilization": float}
+                 "gpu_memory_utilization": float, "cuda_graphs": _flag, "graph_max_context": int}
         return cls(**{k: kinds[k](v) for k, v in params.items() if k in kinds and v != ""})
+
+
+def _flag(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value.lower() in ("true", "1")
 
 
 @dataclass
@@ -83,11 +91,13 @@ class LLMEngine:
         self.eos_ids = tuple(sorted(eos))
         per_block = kv_bytes_per_block(args.num_hidden_layers, config.block_size, args.num_key_value_heads,
                                        args.head_dim, self.dtype)
-        num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block
+        num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block - 1  # one goes to the scratch block
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.kv_cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, config.block_size,
                                           args.num_key_value_heads, args.head_dim, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, config.max_batch,
+                                  min(config.graph_max_context, self.max_model_len),
+                                  capture=config.cuda_graphs and self.device.type == "cuda")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens)
         self.stats = EngineStats()
         log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", args.model_type, config.dtype,

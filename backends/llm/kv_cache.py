@@ -12,10 +12,14 @@ def kv_bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim
     return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+SCRATCH_BLOCK = 0  # never given to a sequence: padded rows of a fixed-shape (CUDA graph) step write and read here
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One allocation; each layer gets (keys, values) views of shape [num_blocks, block_size, kv_heads, head_dim]."""
-    cache = torch.zeros(num_layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    """One allocation of `num_blocks` usable blocks plus the scratch block; each layer gets (keys, values) views of
+    shape [num_blocks + 1, block_size, kv_heads, head_dim]."""
+    cache = torch.zeros(num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
 
@@ -27,7 +31,7 @@ class BlockManager:
         if num_blocks < 1:
             raise ValueError("the KV cache budget holds no block; raise kv_cache_memory_mb")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: deque[int] = deque(range(SCRATCH_BLOCK + 1, num_blocks + 1))
 
     @property
     def num_free(self) -> int:

@@ -1,19 +1,40 @@
 """Turns a scheduled batch into the model's tensors, runs it, and returns the logits of each sequence's last token
-(the only logits anyone reads)."""
+(the only logits anyone reads).
+
+Decode steps run with fixed shapes: the batch is padded to a bucket (1, 2, 4, ... sequences) and the block tables to
+a power-of-two number of blocks; padded rows write and read only the scratch block. On CUDA each (batch, blocks)
+shape is captured once as a CUDA graph and replayed, so a step costs its kernels' time, not thousands of launches.
+On the CPU the same padded path runs eagerly (which is how the tests check it).
+"""
 from __future__ import annotations
 
 import torch
 
 from backends.llm.attention import AttentionMetadata
-from backends.llm.kv_cache import BlockManager
+from backends.llm.kv_cache import SCRATCH_BLOCK, BlockManager
 from backends.llm.model import DecoderModel
 from backends.llm.sequence import Sequence
 
 
+def bucket(n: int) -> int:
+    """The power of two at or above n."""
+    return 1 << (n - 1).bit_length()
+
+
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_cache: list, blocks: BlockManager):
+    def __init__(self, model: DecoderModel, kv_cache: list, blocks: BlockManager, max_batch: int,
+                 max_context: int, capture: bool):
         self.model, self.kv_cache, self.blocks = model, kv_cache, blocks
         self.device = model.embed_tokens.weight.device
+        self.max_batch, self.max_blocks = bucket(max_batch), bucket(-(-max_context // blocks.block_size))
+        self.capture = capture
+        # static decode inputs, sized for the largest bucket; graphs read them in place
+        new = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
+        self.ids, self.positions, self.slots = new(self.max_batch), new(self.max_batch), new(self.max_batch)
+        self.tables = torch.full((self.max_batch, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
+                                 device=self.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
 
     def tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -44,6 +65,50 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """The newest token of each sequence; logits [B, vocab]."""
+        widest = max(len(s.block_table) for s in seqs)
+        if len(seqs) <= self.max_batch and widest <= self.max_blocks:
+            return self.decode_padded(seqs, bucket(len(seqs)), bucket(widest))
+        return self.decode_eager(seqs)
+
+    def decode_padded(self, seqs: list[Sequence], batch: int, width: int) -> torch.Tensor:
+        n = len(seqs)
+        positions = [s.num_tokens - 1 for s in seqs]
+        pad = batch - n
+        scratch = SCRATCH_BLOCK * self.blocks.block_size
+        self.ids[:batch].copy_(self.tensor([s.token_ids[-1] for s in seqs] + [0] * pad))
+        self.positions[:batch].copy_(self.tensor(positions + [0] * pad))
+        self.slots[:batch].copy_(self.tensor([self.blocks.slot(s, p) for s, p in zip(seqs, positions)] + [scratch] * pad))
+        self.tables[:batch, :width].copy_(self.tensor(
+            [s.block_table + [SCRATCH_BLOCK] * (width - len(s.block_table)) for s in seqs]
+            + [[SCRATCH_BLOCK] * width] * pad, torch.int32))
+        if not self.capture:
+            return self.forward_static(batch, width)[:n]
+        if (batch, width) not in self.graphs:
+            self.graphs[batch, width] = self.capture_graph(batch, width)
+        graph, logits = self.graphs[batch, width]
+        graph.replay()
+        return logits[:n]
+
+    def forward_static(self, batch: int, width: int) -> torch.Tensor:
+        meta = AttentionMetadata(self.slots[:batch], self.tables[:batch, :width], self.positions[:batch, None], None,
+                                 width * self.blocks.block_size)
+        return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta))
+
+    def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (this also runs the current step: its cache writes repeat identically on
+        replay), then record the step into a graph sharing one memory pool with the others."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward_static(batch, width)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward_static(batch, width)
+        self.pool = graph.pool()
+        return graph, logits
+
+    def decode_eager(self, seqs: list[Sequence]) -> torch.Tensor:
         positions = [s.num_tokens - 1 for s in seqs]
         meta = AttentionMetadata(self.tensor([self.blocks.slot(s, p) for s, p in zip(seqs, positions)]),
                                  self.block_tables(seqs), self.tensor([[p] for p in positions]), None,

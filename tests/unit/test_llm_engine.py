@@ -54,6 +54,13 @@ def test_greedy_batch_of_mixed_lengths_equals_transformers(checkpoint, reference
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_long_contexts_leave_the_fixed_shape_path_with_the_same_tokens(checkpoint, reference):
+    # graphs cover 16 tokens of context here: longer decode steps run the eager path
+    engine = make_engine(checkpoint, graph_max_context=16)
+    seqs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=24))
+    assert [s.output_ids for s in seqs] == [reference(p, 24) for p in PROMPTS[:3]]
+
+
 def test_32_concurrent_sequences_equal_their_solo_runs(checkpoint):
     prompts = [PROMPTS[i % len(PROMPTS)] + " the" * (i % 5) for i in range(32)]
     lengths = [4 + (i * 7) % 29 for i in range(32)]

@@ -86,6 +86,19 @@ def engine_concurrent(engine: LLMEngine, batch: list[list[int]], new_tokens: int
     return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - start)
 
 
+def graph_replay_ms(engine: LLMEngine, repeats: int = 50) -> float | None:
+    """GPU time of the batch-1 decode graph alone, or None without graphs."""
+    if not engine.runner.graphs:
+        return None
+    graph, _ = engine.runner.graphs[min(engine.runner.graphs)]
+    sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        graph.replay()
+    sync(engine.device)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def transformers_generate(model, batch: list[list[int]], new_tokens: int, device: torch.device) -> float:
     """Output tokens/s of one static batch through transformers `generate` (greedy, forced length)."""
     ids = torch.tensor(batch, device=device)
@@ -131,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--compile-kernels", action="store_true", help="torch.compile the elementwise kernels")
+    parser.add_argument("--scenario", default="llm-engine", help="result file name")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=__import__("socket").gethostname())
     args = parser.parse_args(argv)
@@ -138,19 +153,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     checkpoint, reference, weights = load_reference(args, device, dtype)
+    start = time.perf_counter()
     engine = LLMEngine(checkpoint, EngineConfig(dtype=args.dtype, device=str(device), max_batch=args.concurrency,
-                                                kv_cache_memory_mb=None if device.type == "cuda" else 512), weights)
+                                                kv_cache_memory_mb=None if device.type == "cuda" else 512,
+                                                compile_kernels=args.compile_kernels), weights)
     del weights
+    ready_s = time.perf_counter() - start
+    print(f"engine ready in {ready_s:.1f}s ({len(engine.runner.graphs)} decode graphs captured)", flush=True)
     vocab = engine.model.args.vocab_size
     one = prompts(1, args.input_tokens, vocab, seed=1)
     batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
-    engine_concurrent(engine, prompts(4, 16, vocab, seed=3), 4)  # warm-up
+    start = time.perf_counter()
+    engine_concurrent(engine, prompts(4, 16, vocab, seed=3), 4)  # warm-up (compiles kernels when asked)
+    print(f"warm-up {time.perf_counter() - start:.1f}s", flush=True)
     transformers_generate(reference, one, 4, device)
 
     rows = []
     print("measuring batch 1 ...", flush=True)
     ours_1 = engine_batch1(engine, one[0], args.batch1_tokens)
     roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
+    replay = graph_replay_ms(engine)
     theirs_1 = transformers_generate(reference, one, min(args.batch1_tokens, 32), device)
     rows.append(["decode tokens/s, batch 1", f"{ours_1:.1f}", f"{theirs_1:.1f}", f"{ours_1 / theirs_1:.2f}",
                  f"roofline {roofline:.1f} ({100 * ours_1 / roofline:.0f}% reached)"])
@@ -168,9 +190,13 @@ def main(argv: list[str] | None = None) -> int:
              "Roofline at batch 1 = bandwidth / (weights except the embedding table + KV cache at the mean context).",
              "transformers: `generate`, greedy, static batch, forced output length; at batch 1 over "
              f"{min(args.batch1_tokens, 32)} tokens (prefill included, so slightly pessimistic for it).",
-             f"Engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks."]
+             f"Engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks; ready in "
+             f"{ready_s:.1f} s ({len(engine.runner.graphs)} decode graphs captured at start)."]
+    if replay:
+        notes.append(f"One batch-1 decode step replayed alone from its CUDA graph takes {replay:.2f} ms (the GPU's "
+                     f"share of a step; a whole engine step at batch 1 takes {1e3 / ours_1:.2f} ms).")
     hardware = hardware_line("n/a (in-process)")
-    path = write_table(args.results / args.host, "llm-engine", ["measure", "engine", "transformers", "ratio", "note"],
+    path = write_table(args.results / args.host, args.scenario, ["measure", "engine", "transformers", "ratio", "note"],
                        rows, hardware, notes)
     print(hardware, *notes, sep="\n")
     print(path.read_text().split("\n\n")[2])

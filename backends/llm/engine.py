@@ -44,13 +44,15 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only)
     graph_max_context: int = 4096  # longest context a graph covers; longer decode steps run eagerly
+    compile_kernels: bool = False  # torch.compile the elementwise kernels (norms, rotary, SiLU): GPU only
 
     @classmethod
     def from_params(cls, params: dict[str, str]) -> EngineConfig:
         """From Triton model-config parameters (strings); unknown keys are ignored, bad values raise ValueError."""
         kinds = {"dtype": str, "device": str, "block_size": int, "max_batch": int, "max_prefill_tokens": int,
                  "max_model_len": int, "kv_cache_memory_mb": int, "kv_cache_blocks": int,
-                 "gpu_memory_utilization": float, "cuda_graphs": _flag, "graph_max_context": int}
+                 "gpu_memory_utilization": float, "cuda_graphs": _flag, "graph_max_context": int,
+                 "compile_kernels": _flag}
         return cls(**{k: kinds[k](v) for k, v in params.items() if k in kinds and v != ""})
 
 
@@ -80,7 +82,8 @@ class LLMEngine:
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.model = load_model(checkpoint, self.dtype, self.device, weights)
+        self.model = load_model(checkpoint, self.dtype, self.device, weights,
+                                compile_kernels=config.compile_kernels and self.device.type == "cuda")
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         eos = set(args.eos_token_ids)
@@ -99,6 +102,9 @@ class LLMEngine:
                                   min(config.graph_max_context, self.max_model_len),
                                   capture=config.cuda_graphs and self.device.type == "cuda")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens)
+        if self.runner.capture:
+            with torch.inference_mode():
+                log.info("captured %d decode CUDA graphs", self.runner.capture_all())
         self.stats = EngineStats()
         log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", args.model_type, config.dtype,
                  self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)

@@ -59,19 +59,12 @@ def make_linear(in_features: int, out_features: int, bias: bool) -> nn.Module:
     return nn.Linear(in_features, out_features, bias=bias)
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As Hugging Face's: normalise in fp32, scale in the model dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,9 +74,39 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+class Kernels:
+    """The elementwise pieces of a layer. `compiled()` gives torch.compile'd versions (one fused kernel each instead
+    of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels)."""
+
+    rms_norm, rotate, silu_mul = staticmethod(rms_norm), staticmethod(rotate), staticmethod(silu_mul)
+
+    @classmethod
+    def compiled(cls) -> Kernels:
+        kernels = cls()
+        for name in ("rms_norm", "rotate", "silu_mul"):
+            setattr(kernels, name, torch.compile(getattr(cls, name), dynamic=True))
+        return kernels
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, kernels: Kernels):
         super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.kernels = eps, kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
+        super().__init__()
+        self.kernels = kernels
         self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias)
@@ -92,30 +115,30 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotate(q.view(-1, self.heads, self.head_dim), cos, sin)
-        k = rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
+        q = self.kernels.rotate(q.view(-1, self.heads, self.head_dim), cos, sin)
+        k = self.kernels.rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
         write_kv(kv, k, v.view(-1, self.kv_heads, self.head_dim), meta.slot_mapping)
         return self.o_proj(paged_attention(q, kv, meta).reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.gate_up_proj = make_linear(args.hidden_size, 2 * args.intermediate_size, False)
         self.down_proj = make_linear(args.intermediate_size, args.hidden_size, False)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.self_attn = Attention(args, kernels)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.mlp = MLP(args, kernels)
 
     def forward(self, x, cos, sin, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
@@ -123,12 +146,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kernels: Kernels | None = None):
         super().__init__()
         self.args = args
+        kernels = kernels or Kernels()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(args, kernels) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.lm_head = make_linear(args.hidden_size, args.vocab_size, False)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
@@ -176,16 +200,17 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
-               tensors: Iterable[tuple[str, torch.Tensor]] | None = None) -> DecoderModel:
+               tensors: Iterable[tuple[str, torch.Tensor]] | None = None, compile_kernels: bool = False
+               ) -> DecoderModel:
     """Build the model on `device` from config.json and copy the weights in (Hugging Face names; q/k/v and gate/up
     fused on the way). `tensors` defaults to the checkpoint's safetensors; a live transformers model's
-    `named_parameters()` works too (benchmarks with random weights)."""
+    `named_parameters()` works too (benchmarks with random weights). `compile_kernels`: see `Kernels`."""
     from transformers import AutoConfig
 
     path = Path(path)
     args = ModelArgs.from_checkpoint(path)
     with torch.device("meta"):
-        model = DecoderModel(args)
+        model = DecoderModel(args, Kernels.compiled() if compile_kernels else None)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     loaded: set[tuple[str, int]] = set()

@@ -89,6 +89,21 @@ class ModelRunner:
         graph.replay()
         return logits[:n]
 
+    def capture_all(self) -> int:
+        """Capture every (batch, blocks) bucket now, so no request pays for a capture (or a kernel compile).
+        The static buffers point at the scratch block while capturing. Returns the number of graphs."""
+        self.ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(SCRATCH_BLOCK * self.blocks.block_size)
+        self.tables.fill_(SCRATCH_BLOCK)
+        batches = [1 << i for i in range(self.max_batch.bit_length())]
+        widths = [1 << i for i in range(self.max_blocks.bit_length())]
+        for batch in reversed(batches):  # largest first: later graphs reuse its pool memory
+            for width in widths:
+                if (batch, width) not in self.graphs:
+                    self.graphs[batch, width] = self.capture_graph(batch, width)
+        return len(self.graphs)
+
     def forward_static(self, batch: int, width: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slots[:batch], self.tables[:batch, :width], self.positions[:batch, None], None,
                                  width * self.blocks.block_size)

@@ -26,8 +26,9 @@ test: engines     ## the whole suite: unit tests and integration tests against a
 test-unit: setup
 	$(PY) -m pytest -q tests/unit
 
-bench: engines genai-perf  ## perf scenarios (perf/)
+bench: engines genai-perf  ## perf scenarios (perf/) and the in-process LLM engine benchmark
 	$(PY) -m perf
+	$(PY) -m perf.llm_engine
 
 bundle: setup     ## dist/*.tar.xz for an offline GPU host (BUNDLE_PYTHON=3.12); perf/gpu_bench.sh runs it there
 	bash scripts/bundle.sh

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--batch1-tokens", type=int, default=128)
-    parser.add_argument("--compile-kernels", action="store_true", help="torch.compile the elementwise kernels")
+    parser.add_argument("--no-compile-kernels", dest="compile_kernels", action="store_false",
+                        help="plain PyTorch elementwise kernels (default on CUDA: torch.compile'd)")
     parser.add_argument("--scenario", default="llm-engine", help="result file name")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=__import__("socket").gethostname())

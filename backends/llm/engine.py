@@ -44,7 +44,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only)
     graph_max_context: int = 4096  # longest context a graph covers; longer decode steps run eagerly
-    compile_kernels: bool = False  # torch.compile the elementwise kernels (norms, rotary, SiLU): GPU only
+    compile_kernels: bool = True  # torch.compile the elementwise kernels (norms, rotary, SiLU): CUDA only
 
     @classmethod
     def from_params(cls, params: dict[str, str]) -> EngineConfig:

@@ -5,6 +5,7 @@ and clients written for TensorRT-LLM's ensemble work unchanged. Every check name
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -63,6 +64,16 @@ def _text(value: object, name: str) -> str:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError as e:
         raise InvalidInput(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def check_request_parameters(parameters_json: str) -> None:
+    """Generation options travel as input tensors; a request parameter we would silently ignore is an error instead
+    (Triton's own `triton_*` parameters, such as the empty-final-response flag, pass)."""
+    unknown = sorted(k for k in json.loads(parameters_json or "{}") if not k.startswith("triton_"))
+    if unknown:
+        optional = ", ".join(name for name, *_ in GENERATION_INPUTS[2:])
+        raise InvalidInput(f"unknown request parameter(s) {unknown}: this model takes its options as input tensors "
+                           f"({optional})")
 
 
 def read_generation_request(get: Callable[[str], np.ndarray | None], max_tokens_limit: int) -> GenerationRequest:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.errors import InvalidInput
-from backends.generation import GENERATION_INPUTS, read_generation_request
+from backends.generation import GENERATION_INPUTS, check_request_parameters, read_generation_request
 
 ALPHABET = string.ascii_lowercase  # one byte-level token each
 
@@ -54,6 +54,7 @@ class TokenStreamModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                check_request_parameters(request.parameters())
                 ask = read_generation_request(
                     lambda name: _input(self.pb, request, name), max_tokens_limit=1_000_000)
             except InvalidInput as e:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.errors import InvalidInput
-from backends.generation import GenerationRequest, read_generation_request
+from backends.generation import GenerationRequest, check_request_parameters, read_generation_request
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sequence import Sequence
@@ -58,6 +58,7 @@ class LLMTritonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                check_request_parameters(request.parameters())
                 ask = read_generation_request(lambda name: _input(self.pb, request, name), self.engine.max_model_len)
             except InvalidInput as e:
                 self._fail(sender, e, self.pb.TritonError.INVALID_ARG)

@@ -124,6 +124,39 @@ def test_bad_generation_input_is_rejected_and_server_keeps_serving(server, promp
     assert bad.error is not None and message in bad.error
     (good,) = run(streams(server.grpc_url, [("cat", 3, {})]))
     assert good.error is None and good.text
+    assert_blocks_back_to_idle(server)
+
+
+def assert_blocks_back_to_idle(server) -> None:
+    deadline = time.monotonic() + 5
+    while metric(server, "llm_kv_blocks_free") != metric(server, "llm_kv_blocks_total"):
+        assert time.monotonic() < deadline, "KV blocks leaked"
+        time.sleep(0.05)
+
+
+def test_unknown_request_parameter_and_unknown_input_are_rejected(server):
+    async def send(parameters=None, extra_input=False):
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        inputs = generation_inputs(grpcclient, "cat", 4)
+        if extra_input:  # "prompt" is not an input of llm
+            inputs.append(grpcclient.InferInput("prompt", [1], "BYTES"))
+            inputs[-1].set_data_from_numpy(np.array([b"x"], dtype=object))
+        done = asyncio.Event()
+
+        async def request():
+            yield {"model_name": "llm", "inputs": inputs, "parameters": parameters,
+                   "enable_empty_final_response": True}
+            await done.wait()
+        try:
+            async for result, error in client.stream_infer(request()):
+                return str(error) if error else None
+        finally:
+            done.set()
+            await client.close()
+
+    assert "unknown request parameter(s) ['temprature']" in run(send(parameters={"temprature": 0.5}))
+    assert "unexpected inference input 'prompt'" in run(send(extra_input=True))
+    assert_blocks_back_to_idle(server)
 
 
 def test_non_utf8_prompt_is_rejected(server):

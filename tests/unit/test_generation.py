@@ -48,3 +48,12 @@ def test_optional_inputs_are_read():
 def test_bad_values_name_the_input(inputs, message):
     with pytest.raises(InvalidInput, match=re.escape(message)):
         read_generation_request(reader(**inputs), max_tokens_limit=100)
+
+
+def test_unknown_request_parameters_are_refused_but_tritons_own_pass():
+    from backends.generation import check_request_parameters
+
+    check_request_parameters('{"triton_enable_empty_final_response": true}')
+    check_request_parameters("")
+    with pytest.raises(InvalidInput, match=r"unknown request parameter\(s\) \['temprature'\]"):
+        check_request_parameters('{"temprature": 0.5, "triton_x": 1}')

@@ -1,0 +1,101 @@
+"""The LLM streaming scenarios of `make bench`: perf/llm.py (and genai-perf beside it, where installed) at several
+concurrencies and lengths, first against the `token_stream` calibration model, then against the served `llm`."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from backends.server import TritonServer, free_port
+from build_engines.checkpoints import byte_level_tokenizer
+from perf import genai_perf
+from perf.llm import LoadSpec, make_prompts, run_load, summarize
+from perf.report import plot_curves, stem, write_table
+from perf.token_stream import write_token_stream_model
+
+# (concurrency, input tokens, output tokens) of the LLM streaming benchmark
+LLM_LOADS = [(1, 32, 64), (4, 32, 64), (16, 32, 64), (64, 32, 64), (1, 256, 16), (16, 256, 16)]
+GENAI_PERF_LOADS = [(1, 32, 64), (16, 32, 64), (64, 32, 64)]
+
+LLM_HEADER = ["model", "tool", "concurrency", "input tokens", "output tokens", "requests", "TTFT p50 ms", "TTFT p90 ms",
+              "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "latency p99 ms", "output tokens/s"]
+
+
+def llm_row(model: str, tool: str, spec: LoadSpec, m: dict) -> list:
+    return [model, tool, spec.concurrency, spec.input_tokens, spec.output_tokens, m.get("requests", "-"),
+            *(m[f"{k}_p{q}"] for k in ("ttft_ms", "itl_ms") for q in (50, 90, 99)), m["latency_ms_p99"],
+            m["output_tokens_per_s"]]
+
+
+def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Path, loads=LLM_LOADS,
+                  genai_loads=GENAI_PERF_LOADS) -> tuple[list[list], list[str]]:
+    """perf/llm.py at each load (and genai-perf at `genai_loads` when installed), one row per measurement, and notes
+    on the genai-perf runs that found no stable measurement."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids)
+
+    rows, notes = [], []
+    for concurrency, input_tokens, output_tokens in loads:
+        spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
+        prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False), decode)
+        timings = asyncio.run(run_load(server.grpc_url, model, prompts, spec, {"min_length": output_tokens}))
+        rows.append(llm_row(model, "perf/llm.py", spec, summarize(timings, count)))
+        if (concurrency, input_tokens, output_tokens) in genai_loads and genai_perf.available():
+            work = tmp / f"genai-perf-{model}-{concurrency}-{input_tokens}-{output_tokens}"
+            try:
+                rows.append(llm_row(model, "genai-perf", spec,
+                                    genai_perf.run_genai_perf(server.grpc_url, model, spec, tokenizer_dir, work)))
+            except RuntimeError as e:  # perf_analyzer under it found no stable window: say so, keep going
+                notes.append(f"genai-perf at concurrency {concurrency}, {input_tokens} in / {output_tokens} out: "
+                             f"failed ({str(e).splitlines()[0][:120]}).")
+        print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+    return rows, notes
+
+
+def write_llm_results(results: Path, scenario: str, rows: list[list], hardware: str, notes: list[str]) -> None:
+    base = stem(results, scenario)
+    series: dict[str, list] = {}
+    for row in rows:
+        model, tool, concurrency, isl, osl = row[:5]
+        series.setdefault(f"{model} {isl}in/{osl}out ({tool})", []).append((row[9], row[13], f"c{concurrency}"))
+    plot_curves(base.with_suffix(".png"), scenario, "ITL p50 (ms)", "output tokens/s", series)
+    write_table(results, scenario, LLM_HEADER, rows, hardware, notes, figure=base.with_suffix(".png").name)
+
+
+def calibration_bench(results: Path, tmp: Path, hardware: str, first_token_ms: float = 20,
+                      token_interval_ms: float = 5) -> None:
+    """The LLM benchmark against `token_stream`, whose true TTFT and ITL are known: what the tool adds."""
+    write_token_stream_model(tmp / "calibration", first_token_ms, token_interval_ms)
+    tokenizer_dir = tmp / "byte-tokenizer"
+    byte_level_tokenizer().save_pretrained(tokenizer_dir)
+    with TritonServer(tmp / "calibration", free_port(), free_port(), free_port(),
+                      Path("logs/bench-calibration.log")) as server:
+        rows, genai_notes = llm_streaming(server, "token_stream", tokenizer_dir, tmp)
+    notes = [f"`token_stream` produces exactly `max_tokens` tokens: the first {first_token_ms:g} ms after the request "
+             f"arrives, then one every {token_interval_ms:g} ms, so the true TTFT is {first_token_ms:g} ms, the true "
+             f"ITL {token_interval_ms:g} ms and the most output tokens/s at concurrency c and n output tokens is "
+             f"c * n / ({first_token_ms:g} + {token_interval_ms:g} * (n - 1)) ms. Rows that miss these show what the "
+             "client, gRPC and the python backend add at that load."
+             + ("" if genai_perf.available() else " genai-perf rows: not run (`make genai-perf` installs it)."),
+             *genai_notes]
+    write_llm_results(results, "llm-streaming-calibration", rows, hardware, notes)
+    print("LLM streaming calibration written", flush=True)
+
+
+def served_llm_bench(repository: Path, results: Path, tmp: Path, hardware: str) -> None:
+    """The same streaming loads against the served `llm` (tiny model here; output length forced by min_length)."""
+    with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-llm.log"),
+                      model_control="explicit", load_models=["llm"]) as server:
+        rows, genai_notes = llm_streaming(server, "llm", repository / "llm" / "1", tmp)
+    write_llm_results(results, "llm-streaming", rows, hardware,
+                      ["`llm` served from model_repository (its engine parameters in the model config); every request "
+                       "asks for exactly `output tokens` (min_length = max_tokens)."
+                       + ("" if genai_perf.available() else " genai-perf rows: not run (`make genai-perf`)."),
+                       *genai_notes])
+    print("LLM streaming (served llm) written", flush=True)

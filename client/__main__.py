@@ -55,13 +55,18 @@ def main(argv: list[str] | None = None) -> int:
         optional = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
                                       ("seed", args.seed), ("stop", args.stop)) if v is not None}
         for delta in client.generate(args.prompt, args.max_tokens, stream=args.stream, **optional):
-            print(delta, end="", flush=True)
+            print(_terminal_safe(delta), end="", flush=True)
         print()
     else:
         scores, probs = client.similarity(args.image.read_bytes(), args.texts)
         for text, score, prob in zip(args.texts, scores, probs):
             print(f"{prob:6.3f}  (logit {score:7.3f})  {text}")
     return 0
+
+
+def _terminal_safe(text: str) -> str:
+    """Control characters (a model can emit any byte) shown escaped instead of acting on the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 if __name__ == "__main__":

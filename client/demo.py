@@ -34,11 +34,13 @@ def main() -> int:
                                                             "--image", str(image), "--text", "a photo of a dog"]),
             ("similarity (clip pipeline)", ["--url", server.http_url, "similarity", str(image),
                                             "a photo of a dog", "a red car", "a tree on grass"]),
+            ("generation (llm, gRPC streaming)", ["--url", server.grpc_url, "generate", "a photo of the cat",
+                                                  "--max-tokens", "24", "--stream"]),
         ]
         for title, args in steps:
             print(f"\n== {title}: python -m client {' '.join(args)}", flush=True)
             cli(args)
-        print("\n(tiny random-init models: labels and scores are not meaningful; the serving path is real)")
+        print("\n(tiny random-init models: labels, scores and text are not meaningful; the serving path is real)")
     print("tritonserver stopped")
     return 0
 

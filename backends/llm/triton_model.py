@@ -70,10 +70,12 @@ class LLMTritonModel:
     def finalize(self) -> None:
         self.running = False
         self.wake.set()
-        self.thread.join()
-        for seq, stream in self.active.items():
+        self.thread.join(timeout=10)  # never hang the unload: the loop is a daemon thread
+        for seq, stream in list(self.active.items()):
             self.engine.cancel(seq)
             self._fail(stream.sender, RuntimeError("the model is being unloaded"), self.pb.TritonError.UNAVAILABLE)
+        self.active.clear()
+        self.metrics.close()
 
     # --- the engine loop ------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -167,6 +169,12 @@ class EngineMetrics:
         self.gauges = {name: self.families[name].Metric(labels) for name in self.GAUGES}
         self.counters = {name: self.families[name].Metric(labels) for name in self.COUNTERS}
         self.counted = dict.fromkeys(self.COUNTERS, 0)
+
+    def close(self) -> None:
+        """Metrics before their families, as the python backend requires."""
+        self.gauges.clear()
+        self.counters.clear()
+        self.families.clear()
 
     def update(self, engine: LLMEngine) -> None:
         s = engine.stats

@@ -134,13 +134,12 @@ def assert_blocks_back_to_idle(server) -> None:
         time.sleep(0.05)
 
 
-def test_unknown_request_parameter_and_unknown_input_are_rejected(server):
-    async def send(parameters=None, extra_input=False):
+def test_unknown_request_parameter_is_rejected(server):
+    # (An unknown input tensor is refused by Triton itself before the model sees it; at 2.51 such a refusal on a
+    # gRPC stream keeps a decoupled model from unloading at shutdown, so it is not exercised here: see README.)
+    async def send(parameters=None):
         client = grpcclient.InferenceServerClient(server.grpc_url)
         inputs = generation_inputs(grpcclient, "cat", 4)
-        if extra_input:  # "prompt" is not an input of llm
-            inputs.append(grpcclient.InferInput("prompt", [1], "BYTES"))
-            inputs[-1].set_data_from_numpy(np.array([b"x"], dtype=object))
         done = asyncio.Event()
 
         async def request():
@@ -155,7 +154,6 @@ def test_unknown_request_parameter_and_unknown_input_are_rejected(server):
             await client.close()
 
     assert "unknown request parameter(s) ['temprature']" in run(send(parameters={"temprature": 0.5}))
-    assert "unexpected inference input 'prompt'" in run(send(extra_input=True))
     assert_blocks_back_to_idle(server)
 
 

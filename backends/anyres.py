@@ -5,8 +5,10 @@ Pixel values equal transformers' LlavaNextImageProcessor(Pil) output; the token 
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -56,15 +58,35 @@ class AnyResPlan:
         return 1 + self.grid[0] * self.grid[1]  # the thumbnail first
 
 
+def image_processor_config(folder: Path) -> dict:
+    """The image processor's settings of a checkpoint: preprocessor_config.json, or the `image_processor` part of
+    processor_config.json (where transformers 5 saves it)."""
+    if (folder / "preprocessor_config.json").exists():
+        return json.loads((folder / "preprocessor_config.json").read_text())
+    return json.loads((folder / "processor_config.json").read_text())["image_processor"]
+
+
+def tiler_from_checkpoint(folder: Path) -> AnyResTiler:
+    """The tiler a LLaVA-NeXT checkpoint (config.json, processor and image processor configs) describes."""
+    config = json.loads((folder / "config.json").read_text())
+    processor = folder / "processor_config.json"
+    extra = json.loads(processor.read_text()).get("num_additional_image_tokens", 1) if processor.exists() else 1
+    vision = config.get("vision_config", {})
+    pinpoints = image_processor_config(folder).get("image_grid_pinpoints") or config.get("image_grid_pinpoints")
+    return AnyResTiler(tuple(tuple(p) for p in pinpoints or LLAVA_1_6_PINPOINTS), vision.get("image_size", 336),
+                       vision.get("patch_size", 14), extra,
+                       config.get("vision_feature_select_strategy", "default") == "default")
+
+
 @dataclass(frozen=True)
 class AnyResTiler:
     """`tile` px tiles over `pinpoints`; `patch` px vision patches; `drop_cls` when the projector drops the CLS token
-    ("default" feature selection)."""
+    ("default" feature selection). Defaults: LLaVA-1.6 with CLIP ViT-L/14-336."""
 
     pinpoints: tuple[tuple[int, int], ...] = LLAVA_1_6_PINPOINTS
     tile: int = 336
     patch: int = 14
-    extra_tokens: int = 0  # tokens the vision tower adds per tile beyond its patches (e.g. CLS)
+    extra_tokens: int = 1  # tokens the vision tower adds per tile beyond its patches (CLIP's CLS)
     drop_cls: bool = True
 
     def plan(self, height: int, width: int) -> AnyResPlan:

@@ -73,7 +73,10 @@ class ImagePreprocessor:
     @classmethod
     def from_json(cls, path: str | Path) -> ImagePreprocessor:
         """Read a preprocessor_config.json written by the processor's save_pretrained (all fields explicit)."""
-        cfg = json.loads(Path(path).read_text())
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ImagePreprocessor:
         return cls(
             do_resize=bool(cfg.get("do_resize", True)),
             size=dict(cfg["size"]),

@@ -132,7 +132,41 @@ def tiny_clip(out: Path, text: dict = TINY_CLIP_TEXT, vision: dict = TINY_CLIP_V
     return out
 
 
-TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip, "llm": tiny_llm, "qwen2": tiny_qwen2}
+TINY_LLAVA_TILE = 56  # 4 x 4 patches of 14 px per tile
+
+
+def tiny_llava_next(out: Path) -> Path:
+    """A LLaVA-NeXT-shaped model: tiny CLIP vision tower (56 px tiles), 2-layer projector, tiny Llama, `<image>`."""
+    import torch
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessorPil, LlavaNextProcessor)
+
+    tile = TINY_LLAVA_TILE
+    tokenizer = byte_level_tokenizer(TINY_LLM_WORDS, add_bos=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    pinpoints = [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile], [3 * tile, tile], [tile, 3 * tile]]
+    torch.manual_seed(0)
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, image_size=tile, patch_size=14),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+        image_token_index=image_token, image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
+        vision_feature_select_strategy="default")
+    LlavaNextForConditionalGeneration(config).save_pretrained(out)
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile,
+                                                   "width": tile}, image_grid_pinpoints=pinpoints),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1)
+    processor.save_pretrained(out)
+    return out
+
+
+TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip, "llm": tiny_llm, "qwen2": tiny_qwen2,
+                 "llava_next": tiny_llava_next}
 
 # Real-size architectures with random weights, for GPU benchmarks: preset -> (family, builder arguments)
 RANDOM_INIT = {
@@ -154,9 +188,13 @@ def random_init_checkpoint(preset: str, root: Path = TINY_ROOT) -> tuple[str, Pa
     return family, out
 
 
+TINY_SOURCE = {"anyres": "llava_next"}  # model families built from another family's checkpoint
+
+
 def tiny_checkpoint(family: str, root: Path = TINY_ROOT) -> Path:
     """Path of the tiny checkpoint for a model family, created on first use."""
-    out = root / f"tiny-{family}"
+    name = TINY_SOURCE.get(family, family)
+    out = root / f"tiny-{name}"
     if not (out / "config.json").exists():
-        TINY_BUILDERS[family](out)
+        TINY_BUILDERS[name](out)
     return out

@@ -343,5 +343,34 @@ def build_tensorrt_llm(opts: BuildOptions) -> None:
           "runs the PyTorch engine)")
 
 
-FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm}
-DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch"}
+def build_anyres(opts: BuildOptions) -> None:
+    """The `anyres` model from a LLaVA-NeXT checkpoint: its tiling settings (pinpoints, tile, patch, feature
+    selection) and image processor config; no weights."""
+    import shutil
+
+    from backends.anyres import image_processor_config, tiler_from_checkpoint
+
+    if up_to_date(opts, ["anyres"]):
+        print("anyres: up to date")
+        return
+    tiler = tiler_from_checkpoint(opts.checkpoint)  # a checkpoint that is not LLaVA-NeXT-like fails here
+    version_dir = opts.repository / "anyres" / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(opts.checkpoint / "config.json", version_dir / "config.json")
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        (version_dir / name).unlink(missing_ok=True)
+    (version_dir / "preprocessor_config.json").write_text(json.dumps(image_processor_config(opts.checkpoint)))
+    if (opts.checkpoint / "processor_config.json").exists():
+        shutil.copy2(opts.checkpoint / "processor_config.json", version_dir / "processor_config.json")
+    params = {k: v for k, v in common_parameters(opts).items() if k in ("EXECUTION_ENV_PATH", "prepare_threads")}
+    write_model(opts.repository, PythonModelConfig(
+        "anyres", [Tensor("image", "BYTES", [1])],
+        [Tensor("pixel_values", "FP32", [-1, 3, tiler.tile, tiler.tile]), Tensor("num_image_tokens", "INT32", [1])],
+        max_batch_size=0, max_queue_delay_us=None, instances=2, kind="KIND_CPU", parameters=params))
+    write_engine_metadata(version_dir, runtime="none", fingerprint=opts.fingerprint("anyres"),
+                          checkpoint=str(opts.checkpoint.resolve()))
+    print(f"anyres: {len(tiler.pinpoints)} grid pinpoints, {tiler.tile} px tiles, {tiler.patch} px patches")
+
+
+FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres}
+DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch"}

@@ -45,9 +45,15 @@ def llm_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
-def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint) -> Path:
+def llava_checkpoint() -> Path:
+    return tiny_checkpoint("llava_next", ROOT / ".checkpoints")
+
+
+@pytest.fixture(scope="session")
+def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint) -> Path:
     """The default tiny engines in model_repository/ (built once; skipped when up to date)."""
-    for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint), ("llm", llm_checkpoint)):
+    for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint), ("llm", llm_checkpoint),
+                               ("anyres", llava_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
     return REPOSITORY
 

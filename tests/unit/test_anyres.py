@@ -20,10 +20,11 @@ PINPOINT_LISTS = {"llava-1.6": LLAVA_1_6_PINPOINTS, "anyres_max_9": grid_pinpoin
 
 
 def reference_tokens(height: int, width: int, pinpoints) -> int:
-    """LlavaNextProcessor's count, "default" feature selection (CLS dropped), 336 px tiles of 14 px patches."""
+    """LlavaNextProcessor's count as LLaVA-1.6 checkpoints configure it: CLIP's CLS counted
+    (num_additional_image_tokens 1), then dropped ("default" feature selection); 336 px tiles of 14 px patches."""
     processor = types.SimpleNamespace(image_processor=types.SimpleNamespace(image_grid_pinpoints=[list(p) for p in
                                                                                                    pinpoints]),
-                                      patch_size=14, num_additional_image_tokens=0)
+                                      patch_size=14, num_additional_image_tokens=1)
     processor._get_unpadded_features = lambda *a: LlavaNextProcessor._get_unpadded_features(processor, *a)
     return LlavaNextProcessor._get_number_of_features(processor, height, width, 336, 336) - 1
 

@@ -21,7 +21,7 @@ class AttentionMetadata:
     """Where the tokens of one step go and what they attend to. B sequences, T new tokens in all."""
 
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0 (masked out by positions)
+    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with the scratch block (masked out by positions)
     query_positions: torch.Tensor  # [B, max_query_len] position of each query, padded with 0
     token_index: tuple[torch.Tensor, torch.Tensor] | None  # (seq, query) of each of the T tokens; None: decode
     max_context_len: int  # longest sequence in the cache after this step

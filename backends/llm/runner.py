@@ -41,7 +41,8 @@ class ModelRunner:
 
     def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        return self.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.int32)
+        rows = [s.block_table + [SCRATCH_BLOCK] * (width - len(s.block_table)) for s in seqs]
+        return self.tensor(rows, torch.int32)
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Every not-yet-cached token of each sequence; logits [B, vocab] of each sequence's last token."""

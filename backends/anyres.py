@@ -95,17 +95,22 @@ class AnyResTiler:
         return AnyResPlan((height, width), canvas, resized, (canvas[0] // self.tile, canvas[1] // self.tile),
                           self.count_tokens(height, width, canvas))
 
-    def count_tokens(self, height: int, width: int, canvas: tuple[int, int]) -> int:
-        """Thumbnail tokens + the tiles' tokens with padding rows/columns removed + one newline token per row."""
+    def unpadded_window(self, height: int, width: int, canvas: tuple[int, int]) -> tuple[slice, slice]:
+        """(rows, cols) of the tiles' patch grid that hold image, not padding."""
         side = self.tile // self.patch
         rows, cols = side * (canvas[0] // self.tile), side * (canvas[1] // self.tile)
         if width / height > cols / rows:  # wider than the grid: padding above and below
             padding = (rows - int(round(height * (cols / width), 7))) // 2
-            rows -= 2 * padding
-        else:
-            padding = (cols - int(round(width * (rows / height), 7))) // 2
-            cols -= 2 * padding
-        return rows * cols + rows + side * side + self.extra_tokens - (1 if self.drop_cls else 0)
+            return slice(padding, rows - padding), slice(0, cols)
+        padding = (cols - int(round(width * (rows / height), 7))) // 2
+        return slice(0, rows), slice(padding, cols - padding)
+
+    def count_tokens(self, height: int, width: int, canvas: tuple[int, int]) -> int:
+        """Thumbnail tokens + the tiles' tokens with padding rows/columns removed + one newline token per row."""
+        side = self.tile // self.patch
+        rows, cols = self.unpadded_window(height, width, canvas)
+        kept_rows, kept_cols = rows.stop - rows.start, cols.stop - cols.start
+        return kept_rows * kept_cols + kept_rows + side * side + self.extra_tokens - (1 if self.drop_cls else 0)
 
     def tiles(self, image: Image.Image, preprocess: ImagePreprocessor) -> tuple[np.ndarray, AnyResPlan]:
         """float32 [1 + rows * cols, 3, tile, tile]: the thumbnail, then the tiles row by row."""

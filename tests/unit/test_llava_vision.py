@@ -1,0 +1,39 @@
+"""Image embeddings for the language model equal LlavaNextModel.get_image_features on the same tiny checkpoint,
+for several images batched together (all tiles through the tower at once)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backends.anyres import image_processor_config, tiler_from_checkpoint
+from backends.images import ImagePreprocessor
+from backends.llava_vision import LlavaVision
+from build_engines.checkpoints import tiny_checkpoint
+from tests.conftest import ROOT, random_image
+
+SIZES = [(64, 48), (300, 90), (56, 56), (90, 400), (1, 1), (700, 20)]  # (w, h)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return tiny_checkpoint("llava_next", ROOT / ".checkpoints")
+
+
+def test_image_embeddings_equal_transformers(checkpoint):
+    from transformers import LlavaNextForConditionalGeneration
+
+    tiler = tiler_from_checkpoint(checkpoint)
+    preprocess = ImagePreprocessor.from_dict(image_processor_config(checkpoint))
+    tiled = [tiler.tiles(random_image(w, h, seed=i), preprocess) for i, (w, h) in enumerate(SIZES)]
+    pixel_values = torch.from_numpy(np.concatenate([t for t, _ in tiled]))
+    ours = LlavaVision(checkpoint, tiler)(pixel_values, [plan for _, plan in tiled])
+
+    reference = LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    image_sizes = torch.tensor([plan.image_size for _, plan in tiled])
+    with torch.inference_mode():
+        expected = reference.model.get_image_features(pixel_values, image_sizes).pooler_output
+    assert [e.shape[0] for e in expected] == [plan.num_image_tokens for _, plan in tiled]
+    for got, want in zip(ours, expected):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

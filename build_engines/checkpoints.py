@@ -155,7 +155,12 @@ def tiny_llava_next(out: Path) -> Path:
                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
         image_token_index=image_token, image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
         vision_feature_select_strategy="default")
-    LlavaNextForConditionalGeneration(config).save_pretrained(out)
+    model = LlavaNextForConditionalGeneration(config)
+    with torch.no_grad():  # as tiny_llm: larger weights, so greedy text varies and parity tests see real margins
+        for name, param in model.named_parameters():
+            if param.dim() == 2 and "language_model" in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(out)
     processor = LlavaNextProcessor(
         image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile,
                                                    "width": tile}, image_grid_pinpoints=pinpoints),

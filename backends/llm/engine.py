@@ -122,12 +122,18 @@ class LLMEngine:
         return int(free - (1 - self.config.gpu_memory_utilization) * total - activations)
 
     # --- requests -------------------------------------------------------------------------------------------
-    def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0
-            ) -> Sequence:
-        """Queue a request; raises InvalidInput when it cannot fit the context or the KV cache."""
+    def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0,
+            embeds: torch.Tensor | None = None, placeholder_id: int | None = None) -> Sequence:
+        """Queue a request; raises InvalidInput when it cannot fit the context or the KV cache.
+        `embeds` [n, hidden] replace the embeddings of the n prompt tokens equal to `placeholder_id` (image features
+        at the image placeholders, as the prompt was expanded for them)."""
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidInput("the prompt has no tokens")
+        positions = tuple(i for i, token in enumerate(ids) if token == placeholder_id) if embeds is not None else ()
+        if embeds is not None and len(positions) != embeds.shape[0]:
+            raise InvalidInput(f"the prompt has {len(positions)} image placeholder tokens for {embeds.shape[0]} "
+                               "image embeddings")
         total = len(ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise InvalidInput(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
@@ -135,7 +141,7 @@ class LLMEngine:
         if -(-total // self.blocks.block_size) > self.blocks.num_blocks:
             raise InvalidInput(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
                                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
-        seq = Sequence(ids, sampling, request_id, priority)
+        seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions)
         self.scheduler.add(seq)
         return seq
 

@@ -7,7 +7,6 @@ gate/up fused on load, so a step runs two matmuls per attention block and two pe
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -40,17 +39,19 @@ class ModelArgs:
 
     @classmethod
     def from_checkpoint(cls, path: Path) -> ModelArgs:
-        raw = json.loads((Path(path) / "config.json").read_text())
-        if raw.get("model_type") not in SUPPORTED:
-            raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not supported (supported: "
+        """From config.json through transformers (defaults filled in); a multimodal checkpoint's text model."""
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path).get_text_config()
+        if c.model_type not in SUPPORTED:
+            raise ValueError(f"{path}: model_type {c.model_type!r} is not supported (supported: "
                              f"{', '.join(SUPPORTED)})")
-        heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        return cls(raw["model_type"], raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"],
-                   raw["num_hidden_layers"], heads, raw.get("num_key_value_heads") or heads,
-                   raw.get("head_dim") or raw["hidden_size"] // heads, raw["rms_norm_eps"],
-                   raw["max_position_embeddings"], raw.get("tie_word_embeddings", False),
-                   raw.get("attention_bias", raw["model_type"] == "qwen2"),
+        heads = c.num_attention_heads
+        eos = c.eos_token_id
+        return cls(c.model_type, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
+                   c.num_key_value_heads or heads, getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   c.rms_norm_eps, c.max_position_embeddings, bool(c.tie_word_embeddings),
+                   getattr(c, "attention_bias", c.model_type == "qwen2"),
                    tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
 
@@ -170,9 +171,12 @@ class DecoderModel(nn.Module):
         self.sin = (angles.sin() * rope.attention_scaling).to(device=device, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] of every token of the step (logits are computed only where they are read)."""
+                meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of every token of the step (logits are computed only where they are read).
+        `embeds` = (token indices, rows): input embeddings that replace those tokens' (image features)."""
         x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x[embeds[0]] = embeds[1].to(x.dtype)
         cos, sin = self.cos[positions], self.sin[positions]
         for layer, kv in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, kv, meta)
@@ -195,6 +199,7 @@ def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
+TEXT_MODEL_PARTS = ("embed_tokens", "layers", "norm", "lm_head")
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -215,7 +220,9 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
     params = dict(model.named_parameters())
     loaded: set[tuple[str, int]] = set()
     for key, tensor in checkpoint_tensors(path) if tensors is None else tensors:
-        parts = key.removeprefix("model.").split(".")
+        parts = key.removeprefix("language_model.").removeprefix("model.").split(".")
+        if parts[0] not in TEXT_MODEL_PARTS:  # a multimodal checkpoint's vision tower and projector
+            continue
         if len(parts) > 3 and parts[-2] in FUSED:
             target, shard = FUSED[parts[-2]]
             name = ".".join([*parts[:-2], target, parts[-1]])
@@ -234,7 +241,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
     expected = {(n, s) for n in params for s in range(3 if "qkv_proj" in n else 2 if "gate_up" in n else 1)}
     if missing := sorted(expected - loaded):
         raise ValueError(f"{path}: checkpoint lacks {[n for n, _ in missing[:5]]}{' ...' if len(missing) > 5 else ''}")
-    model.set_rope(AutoConfig.from_pretrained(path))
+    model.set_rope(AutoConfig.from_pretrained(path).get_text_config())
     return model.eval()
 
 

@@ -48,9 +48,13 @@ class ModelRunner:
         """Every not-yet-cached token of each sequence; logits [B, vocab] of each sequence's last token."""
         ids, positions, slots, seq_index, query_index, last = [], [], [], [], [], []
         max_query = max(s.num_tokens - s.num_cached for s in seqs)
-        query_positions = []
+        query_positions, embed_index, embed_rows = [], [], []
         for b, seq in enumerate(seqs):
             span = range(seq.num_cached, seq.num_tokens)
+            for row, position in enumerate(seq.embed_positions):  # image features replace their placeholders
+                if position >= seq.num_cached:
+                    embed_index.append(len(ids) + position - seq.num_cached)
+                    embed_rows.append(seq.embeds[row])
             ids += seq.token_ids[seq.num_cached:]
             positions += span
             slots += [self.blocks.slot(seq, p) for p in span]
@@ -61,7 +65,8 @@ class ModelRunner:
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),
                                  max(s.num_tokens for s in seqs))
-        hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta)
+        embeds = (self.tensor(embed_index), torch.stack(embed_rows).to(self.device)) if embed_rows else None
+        hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds)
         return self.model.logits(hidden[self.tensor(last)])
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

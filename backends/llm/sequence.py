@@ -34,6 +34,8 @@ class Sequence:
     finish_reason: str | None = None  # "length", "stop" (EOS or a stop string), "cancelled"
     preemptions: int = 0
     generator: torch.Generator | None = None  # seeded per request, so sampling is reproducible in any batch
+    embeds: torch.Tensor | None = None  # [n, hidden] input embeddings (image features) for the prompt positions:
+    embed_positions: tuple[int, ...] = ()  # ... kept for recomputation after a preemption
     text: str = ""  # detokenised output so far (stop strings already cut)
     emitted: int = 0  # characters of `text` already handed to the caller
     _decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenisation window (prefix, read)

@@ -37,3 +37,34 @@ def test_image_embeddings_equal_transformers(checkpoint):
     for got, want in zip(ours, expected):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint):
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    from backends.generation import SamplingParams
+    from backends.llm.engine import EngineConfig, LLMEngine
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    reference = LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tiler = tiler_from_checkpoint(checkpoint)
+    preprocess = ImagePreprocessor.from_dict(image_processor_config(checkpoint))
+    vision = LlavaVision(checkpoint, tiler)
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    expected, seqs = [], []
+    for i, (width, height) in enumerate(SIZES[:4]):  # run together: one batch of mixed images and prompts
+        image = random_image(width, height, seed=i)
+        inputs = processor(images=image, text="<image> a photo of the cat" + " red" * i, return_tensors="pt")
+        with torch.inference_mode():
+            out = reference.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs.input_ids.shape[1]:]
+        expected.append([t for t in out.tolist() if t != processor.tokenizer.eos_token_id])
+        tiles, plan = tiler.tiles(image, preprocess)
+        (embeds,) = vision(torch.from_numpy(tiles), [plan])
+        seqs.append(engine.add(inputs.input_ids[0].tolist(), SamplingParams(max_tokens=12), embeds=embeds,
+                               placeholder_id=image_token))
+    blind = [engine.add(s.prompt_ids, SamplingParams(max_tokens=12)) for s in seqs]  # placeholders as text
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == expected and all(len(e) == 12 for e in expected)
+    assert [s.output_ids for s in blind] != expected  # the image embeddings changed the answer

@@ -193,7 +193,7 @@ def random_init_checkpoint(preset: str, root: Path = TINY_ROOT) -> tuple[str, Pa
     return family, out
 
 
-TINY_SOURCE = {"anyres": "llava_next"}  # model families built from another family's checkpoint
+TINY_SOURCE = {"anyres": "llava_next", "vlm": "llava_next"}  # model families built from another family's checkpoint
 
 
 def tiny_checkpoint(family: str, root: Path = TINY_ROOT) -> Path:

@@ -372,5 +372,35 @@ def build_anyres(opts: BuildOptions) -> None:
     print(f"anyres: {len(tiler.pinpoints)} grid pinpoints, {tiler.tile} px tiles, {tiler.patch} px patches")
 
 
-FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres}
-DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch"}
+def build_vlm(opts: BuildOptions) -> None:
+    """The `vlm` model from a LLaVA-NeXT checkpoint: the whole checkpoint (vision tower, projector, language model,
+    tokenizer, processor configs) copied into model_repository/vlm/1; parity is covered by the tests."""
+    import shutil
+
+    from backends.anyres import tiler_from_checkpoint
+    from backends.generation import GENERATION_INPUTS
+
+    if up_to_date(opts, ["vlm"]):
+        print("vlm: up to date")
+        return
+    tiler_from_checkpoint(opts.checkpoint)  # a checkpoint that is not LLaVA-NeXT-like fails here
+    version_dir = opts.repository / "vlm" / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    for stale in version_dir.glob("*.safetensors"):
+        stale.unlink()
+    for pattern in (*LLM_FILES, "processor_config.json", "preprocessor_config.json"):
+        for file in opts.checkpoint.glob(pattern):
+            shutil.copy2(file, version_dir / file.name)
+    params = {k: v for k, v in common_parameters(opts).items() if k not in ("runtime", "prepare_threads")}
+    params["dtype"] = opts.precision
+    write_model(opts.repository, PythonModelConfig(
+        "vlm", [Tensor("image", "BYTES", [1]), *(Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS)],
+        [Tensor("text_output", "BYTES", [1])], max_batch_size=0, max_queue_delay_us=None, instances=1,
+        kind=instance_kind(opts), parameters=params, decoupled=True))
+    write_engine_metadata(version_dir, runtime="torch", precision=opts.precision, fingerprint=opts.fingerprint("vlm"),
+                          checkpoint=str(opts.checkpoint.resolve()))
+    print(f"vlm: {opts.checkpoint} ({opts.precision})")
+
+
+FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres, "vlm": build_vlm}
+DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch", "vlm": "torch"}

@@ -53,7 +53,7 @@ def llava_checkpoint() -> Path:
 def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint) -> Path:
     """The default tiny engines in model_repository/ (built once; skipped when up to date)."""
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint), ("llm", llm_checkpoint),
-                               ("anyres", llava_checkpoint)):
+                               ("anyres", llava_checkpoint), ("vlm", llava_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
     return REPOSITORY
 

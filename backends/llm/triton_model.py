@@ -45,7 +45,7 @@ class LLMTritonModel:
             engine_config = EngineConfig(**{**engine_config.__dict__,
                                             "device": f"cuda:{args['model_instance_device_id']}"})
         self.engine = LLMEngine(Path(args["model_repository"]) / args["model_version"], engine_config)
-        self.inbox: queue.Queue[tuple[object, object, GenerationRequest]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[object, object, GenerationRequest, object]] = queue.Queue()
         self.active: dict[Sequence, _Stream] = {}
         self.wake = threading.Event()
         self.running = True
@@ -60,12 +60,21 @@ class LLMTritonModel:
             try:
                 check_request_parameters(request.parameters())
                 ask = read_generation_request(lambda name: _input(self.pb, request, name), self.engine.max_model_len)
+                prepared = self.prepare(request, ask)
             except InvalidInput as e:
                 self._fail(sender, e, self.pb.TritonError.INVALID_ARG)
                 continue
-            self.inbox.put((request, sender, ask))
+            self.inbox.put((request, sender, ask, prepared))
         self.wake.set()
         return None
+
+    def prepare(self, request, ask: GenerationRequest) -> object:
+        """Per-request work done in `execute`, before queueing (the VLM decodes and tiles its image here)."""
+        return None
+
+    def engine_inputs(self, batch: list[tuple[GenerationRequest, object]]) -> list[dict]:
+        """`engine.add` arguments for the requests admitted together (the VLM adds image embeddings, batched)."""
+        return [{"prompt": ask.prompt} for ask, _ in batch]
 
     def finalize(self) -> None:
         self.running = False
@@ -103,13 +112,17 @@ class LLMTritonModel:
                 self._respond(seq)
 
     def _admit(self) -> None:
+        items = []
         while True:
             try:
-                request, sender, ask = self.inbox.get_nowait()
+                items.append(self.inbox.get_nowait())
             except queue.Empty:
-                return
+                break
+        if not items:
+            return
+        for (request, sender, ask, _), inputs in zip(items, self.engine_inputs([(i[2], i[3]) for i in items])):
             try:
-                seq = self.engine.add(ask.prompt, ask.sampling, request_id=request.request_id())
+                seq = self.engine.add(sampling=ask.sampling, request_id=request.request_id(), **inputs)
             except InvalidInput as e:
                 self._fail(sender, e, self.pb.TritonError.INVALID_ARG)
                 continue

@@ -1,0 +1,76 @@
+"""The served `vlm` (image + prompt -> streamed text) against LlavaNextForConditionalGeneration greedy generate on
+the same tiny checkpoint, image and prompt; placeholder handling and bad images."""
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc.aio as grpcclient
+from PIL import Image
+
+from client.sdk import generation_inputs
+from perf.llm import stream_one
+from tests.conftest import encode, random_image
+
+
+@pytest.fixture(scope="module")
+def reference(llava_checkpoint):
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(llava_checkpoint)
+    model = LlavaNextForConditionalGeneration.from_pretrained(llava_checkpoint, dtype=torch.float32).eval()
+
+    def greedy_text(image: bytes, prompt: str, max_tokens: int) -> str:
+        inputs = processor(images=Image.open(io.BytesIO(image)).convert("RGB"), text=prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        return processor.tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+    return greedy_text
+
+
+def ask(server, requests: list[tuple[bytes, str, int]]):
+    async def go():
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            calls = []
+            for image, prompt, max_tokens in requests:
+                inputs = generation_inputs(grpcclient, prompt, max_tokens)
+                tensor = grpcclient.InferInput("image", [1], "BYTES")
+                tensor.set_data_from_numpy(np.array([image], dtype=object))
+                calls.append(stream_one(client, "vlm", [tensor, *inputs]))
+            return await asyncio.gather(*calls)
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+IMAGES = [encode(random_image(640, 480, seed=1)), encode(random_image(90, 400, seed=2), "JPEG"),
+          encode(random_image(1200, 100, seed=3))]
+
+
+def test_greedy_answers_equal_llava_next_for_concurrent_requests(server, reference):
+    prompts = ["<image> a photo of the cat", "what is in <image> this", "<image>\nthe dog and the red car"]
+    timings = ask(server, [(image, prompt, 16) for image, prompt in zip(IMAGES, prompts)])
+    for image, prompt, timing in zip(IMAGES, prompts, timings):
+        assert timing.error is None
+        assert timing.text == reference(image, prompt, 16), prompt
+
+
+def test_prompt_without_placeholder_gets_the_image_first(server, reference):
+    (timing,) = ask(server, [(IMAGES[0], "a photo of the cat", 12)])
+    assert timing.error is None and timing.text == reference(IMAGES[0], "<image>\na photo of the cat", 12)
+
+
+def test_bad_requests_are_refused_and_server_keeps_serving(server):
+    bomb = io.BytesIO()
+    Image.new("1", (50000, 50000)).save(bomb, "PNG")
+    cases = [(IMAGES[0], "<image> and <image>", "2 image placeholders"), (b"not an image", "hi", "not a known image"),
+             (bomb.getvalue(), "hi", "pixels"), (b"", "hi", "image is empty")]
+    results = ask(server, [(image, prompt, 4) for image, prompt, _ in cases])
+    for (_, _, message), timing in zip(cases, results):
+        assert timing.error is not None and message in timing.error
+    (good,) = ask(server, [(IMAGES[1], "cat", 4)])
+    assert good.error is None and good.text

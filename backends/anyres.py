@@ -88,6 +88,7 @@ class AnyResTiler:
     patch: int = 14
     extra_tokens: int = 1  # tokens the vision tower adds per tile beyond its patches (CLIP's CLS)
     drop_cls: bool = True
+    keep_ratio: float = 1.0  # visual-token pruning: the share of the tiles' tokens kept (highest feature norm)
 
     def plan(self, height: int, width: int) -> AnyResPlan:
         canvas = select_best_resolution(height, width, np.asarray(self.pinpoints))
@@ -110,7 +111,11 @@ class AnyResTiler:
         side = self.tile // self.patch
         rows, cols = self.unpadded_window(height, width, canvas)
         kept_rows, kept_cols = rows.stop - rows.start, cols.stop - cols.start
-        return kept_rows * kept_cols + kept_rows + side * side + self.extra_tokens - (1 if self.drop_cls else 0)
+        return (self.kept_grid_tokens(kept_rows * kept_cols) + kept_rows + side * side + self.extra_tokens
+                - (1 if self.drop_cls else 0))
+
+    def kept_grid_tokens(self, grid_tokens: int) -> int:
+        return grid_tokens if self.keep_ratio >= 1 else max(1, math.ceil(self.keep_ratio * grid_tokens))
 
     def tiles(self, image: Image.Image, preprocess: ImagePreprocessor) -> tuple[np.ndarray, AnyResPlan]:
         """float32 [1 + rows * cols, 3, tile, tile]: the thumbnail, then the tiles row by row."""

@@ -66,5 +66,13 @@ class LlavaVision(nn.Module):
             kept_rows, kept_cols = self.tiler.unpadded_window(*plan.image_size, plan.canvas)
             grid = grid[kept_rows, kept_cols]
             newline = self.image_newline.to(grid.dtype).expand(grid.shape[0], 1, -1)
-            out.append(torch.cat((tiles[0], torch.cat((grid, newline), dim=1).flatten(0, 1))))
+            tokens = torch.cat((grid, newline), dim=1)  # [rows, cols + 1, hidden]
+            if self.tiler.keep_ratio < 1:  # prune: keep the highest-norm grid tokens, in order, and every newline
+                norms = grid.norm(dim=-1).flatten()
+                keep = torch.zeros_like(norms, dtype=torch.bool)
+                keep[norms.topk(self.tiler.kept_grid_tokens(norms.numel())).indices] = True
+                mask = torch.cat((keep.view(grid.shape[:2]), keep.new_ones(grid.shape[0], 1)), dim=1)
+                out.append(torch.cat((tiles[0], tokens[mask])))
+            else:
+                out.append(torch.cat((tiles[0], tokens.flatten(0, 1))))
         return out

@@ -7,6 +7,7 @@ the placeholder positions during prefill. Streaming, cancellation and metrics ar
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +27,11 @@ class VLMTritonModel(LLMTritonModel):
     def initialize(self, args: dict) -> None:
         super().initialize(args)
         folder = Path(args["model_repository"]) / args["model_version"]
-        self.tiler = tiler_from_checkpoint(folder)
+        params = json.loads(args["model_config"]).get("parameters", {})
+        keep = float(params.get("visual_keep_ratio", {}).get("string_value", "1"))
+        if not 0 < keep <= 1:
+            raise ValueError(f"visual_keep_ratio must be in (0, 1], got {keep}")
+        self.tiler = dataclasses.replace(tiler_from_checkpoint(folder), keep_ratio=keep)
         self.preprocess = ImagePreprocessor.from_dict(image_processor_config(folder))
         self.vision = LlavaVision(folder, self.tiler, self.engine.dtype, self.engine.device)
         processor = folder / "processor_config.json"

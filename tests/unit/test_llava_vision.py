@@ -68,3 +68,28 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint):
         engine.step()
     assert [s.output_ids for s in seqs] == expected and all(len(e) == 12 for e in expected)
     assert [s.output_ids for s in blind] != expected  # the image embeddings changed the answer
+
+
+def test_pruning_keeps_the_highest_norm_tokens_in_order_with_every_newline(checkpoint):
+    import dataclasses
+
+    tiler = tiler_from_checkpoint(checkpoint)
+    pruned_tiler = dataclasses.replace(tiler, keep_ratio=0.5)
+    preprocess = ImagePreprocessor.from_dict(image_processor_config(checkpoint))
+    image = random_image(300, 90, seed=1)
+    tiles, plan = tiler.tiles(image, preprocess)
+    pruned_plan = pruned_tiler.plan(image.height, image.width)
+    full = LlavaVision(checkpoint, tiler)(torch.from_numpy(tiles), [plan])[0]
+    pruned = LlavaVision(checkpoint, pruned_tiler)(torch.from_numpy(tiles), [pruned_plan])[0]
+    assert pruned.shape[0] == pruned_plan.num_image_tokens < plan.num_image_tokens
+    newline = LlavaVision(checkpoint, tiler).image_newline
+    assert int((pruned == newline).all(-1).sum()) == int((full == newline).all(-1).sum())
+    # the kept feature tokens appear in the full sequence in the same order (a subsequence) ...
+    kept = pruned[~(pruned == newline).all(-1)]
+    positions = [int(torch.nonzero((full == row).all(-1))[0]) for row in kept]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
+    # ... and no dropped grid token has a larger feature norm than a kept one
+    thumbnail = (tiler.tile // tiler.patch) ** 2
+    grid = [i for i in range(thumbnail, full.shape[0]) if not bool((full[i] == newline).all())]
+    dropped = [i for i in grid if i not in set(positions)]
+    assert full[dropped].norm(dim=-1).max() <= full[[i for i in positions if i >= thumbnail]].norm(dim=-1).min()

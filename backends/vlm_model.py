@@ -39,6 +39,7 @@ class VLMTritonModel(LLMTritonModel):
             else "<image>"
         self.placeholder_id = self.engine.tokenizer.convert_tokens_to_ids(self.placeholder)
         self.pool = ThreadPoolExecutor(4)
+        self.tiling: dict[int, object] = {}  # request -> its tiling future, for one execute call
 
     def execute(self, requests: list) -> None:
         # decode and tile the images of this call in parallel; the base class then validates and queues

@@ -1,5 +1,6 @@
 """Served outputs equal the transformers reference on the same checkpoint, over HTTP and gRPC, one by one, batched
 in one request and under concurrency (where Triton's dynamic batcher must merge requests)."""
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -64,7 +65,10 @@ def test_concurrent_requests_are_dynamically_batched_and_correct(server, vit_che
         results = list(pool.map(one, jobs))
     for i, logits in results:
         np.testing.assert_allclose(logits, expected[i], atol=ATOL)
-    after = _stats(triton, "vit")
+    deadline = time.monotonic() + 10  # the server records a batch's statistics after it has sent the responses
+    while (after := _stats(triton, "vit"))["inference_count"] - before["inference_count"] < len(jobs):
+        assert time.monotonic() < deadline, "statistics never reached the requests sent"
+        time.sleep(0.05)
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == len(jobs)

@@ -46,9 +46,11 @@ async def streams(url: str, requests: list[tuple[str, int, dict]]):
         await client.close()
 
 
-def metric(server, name: str) -> float:
+def metric(server, name: str, model: str = "llm") -> float:
+    """One of the engine's metrics for `model` (the vlm model exports the same names with its own label)."""
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return float(next(line for line in text.splitlines() if line.startswith(name + "{")).rsplit(" ", 1)[1])
+    return float(next(line for line in text.splitlines()
+                      if line.startswith(name + "{") and f'model="{model}"' in line).rsplit(" ", 1)[1])
 
 
 def test_streamed_greedy_text_equals_transformers(server, reference):

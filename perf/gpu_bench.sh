@@ -6,6 +6,7 @@
 # RESULTS_DIR/<HOST>/. Re-running with the same WORK folder skips what is done.
 #   PYTHON (python3)  WORK (/tmp/triton-multimodal-bench)  HOST (gpu)  MODELS ("vit clip_vision")
 #   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
+#   SCENARIOS ("images"; add "llm" for the served llm streaming run on the tiny model, bf16 on CUDA)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -27,6 +28,8 @@ if [ ! -x "$venv/bin/perf_analyzer" ]; then
   "$PYTHON" -c 'import site, sys; print("\n".join(site.getsitepackages() + [site.getusersitepackages()]))' \
     > "$site/zz_host_packages.pth"   # .pth paths are appended after the venv's own site-packages
   echo "$b/project" > "$site/triton_multimodal.pth"
+  # the host's scipy / scikit-learn are built for numpy 2: hide them here so transformers treats them as absent
+  echo 'import sys; sys.modules.update(dict.fromkeys(("scipy", "sklearn"), None))' > "$site/00_hide_numpy2_builds.pth"
   cat > "$venv/bin/perf_analyzer" <<SH
 #!/usr/bin/env bash
 LD_LIBRARY_PATH="$b/perf_analyzer\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$b/perf_analyzer/perf_analyzer" "\$@"
@@ -48,14 +51,23 @@ if [ ! -d "$WORK/buildsite/tritonclient" ]; then
     $(ls "$b"/wheels/*.whl | grep -v /numpy-)
 fi
 build=(env PYTHONPATH="$WORK/buildsite" "$PYTHON" -m build_engines --execution-env "$venv" --prepare-threads "$(nproc)")
-if [ "${TINY:-0}" = 1 ]; then
-  "${build[@]}" all --tiny
-else
-  "${build[@]}" vit --random-init vit-b16-224 --runtime torch --precision fp16 --device cuda
-  "${build[@]}" clip --random-init clip-vit-l14-336 --runtime torch --precision bf16 --device cuda
+if [[ " ${SCENARIOS:-images} " == *" images "* ]]; then
+  if [ "${TINY:-0}" = 1 ]; then
+    "${build[@]}" vit --tiny
+    "${build[@]}" clip --tiny
+  else
+    "${build[@]}" vit --random-init vit-b16-224 --runtime torch --precision fp16 --device cuda
+    "${build[@]}" clip --random-init clip-vit-l14-336 --runtime torch --precision bf16 --device cuda
+  fi
+  # shellcheck disable=SC2086
+  "$py" -m perf --models ${MODELS:-vit clip_vision} --image-sets ${IMAGE_SETS:-mixed thumbnails} \
+    --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-1500}" --skip-batching-study --skip-llm
 fi
-
-# shellcheck disable=SC2086
-"$py" -m perf --models ${MODELS:-vit clip_vision} --image-sets ${IMAGE_SETS:-mixed thumbnails} \
-  --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-1500}" --skip-batching-study --skip-llm
+if [[ " ${SCENARIOS:-images} " == *" llm "* ]]; then
+  "${build[@]}" llm --tiny --precision bf16 --device cuda
+  "$py" -c "import sys, tempfile; from pathlib import Path; from perf.llm_scenarios import served_llm_bench; \
+from perf.report import hardware_line; t = tempfile.mkdtemp(); \
+served_llm_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], Path(t), hardware_line('2.51.0'))" \
+    "$results" "${HOST:-gpu}"
+fi
 echo "== results in $results/${HOST:-gpu}"

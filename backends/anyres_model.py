@@ -11,6 +11,7 @@ import numpy as np
 from backends.anyres import AnyResTiler, image_processor_config, tiler_from_checkpoint
 from backends.errors import InvalidInput
 from backends.images import ImagePreprocessor, decode_image
+from backends.triton_model import model_parameters
 
 
 class AnyResModel:
@@ -21,8 +22,8 @@ class AnyResModel:
         folder = Path(args["model_repository"]) / args["model_version"]
         self.tiler: AnyResTiler = tiler_from_checkpoint(folder)
         self.preprocess = ImagePreprocessor.from_dict(image_processor_config(folder))
-        params = json.loads(args["model_config"]).get("parameters", {})
-        self.pool = ThreadPoolExecutor(int(params.get("prepare_threads", {}).get("string_value", "4")))
+        params = model_parameters(json.loads(args["model_config"]))
+        self.pool = ThreadPoolExecutor(int(params.get("prepare_threads") or 4))
 
     def tile(self, data: bytes) -> tuple[np.ndarray, int]:
         tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)

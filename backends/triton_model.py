@@ -23,6 +23,12 @@ def model_parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
 
+def optional_input(pb, request, name: str) -> np.ndarray | None:
+    """A request's input as numpy, or None when the request left it out."""
+    tensor = pb.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
 def bytes_items(array: np.ndarray) -> list[bytes]:
     """A BYTES tensor of any shape -> flat list of bytes objects."""
     return [item if isinstance(item, bytes) else bytes(item) for item in array.reshape(-1)]

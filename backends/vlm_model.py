@@ -20,15 +20,15 @@ from backends.errors import InvalidInput
 from backends.generation import GenerationRequest
 from backends.images import ImagePreprocessor, decode_image
 from backends.llava_vision import LlavaVision
-from backends.llm.triton_model import LLMTritonModel, _input
+from backends.llm.triton_model import LLMTritonModel
+from backends.triton_model import optional_input
 
 
 class VLMTritonModel(LLMTritonModel):
     def initialize(self, args: dict) -> None:
         super().initialize(args)
         folder = Path(args["model_repository"]) / args["model_version"]
-        params = json.loads(args["model_config"]).get("parameters", {})
-        keep = float(params.get("visual_keep_ratio", {}).get("string_value", "1"))
+        keep = float(self.params.get("visual_keep_ratio") or 1)
         if not 0 < keep <= 1:
             raise ValueError(f"visual_keep_ratio must be in (0, 1], got {keep}")
         self.tiler = dataclasses.replace(tiler_from_checkpoint(folder), keep_ratio=keep)
@@ -43,7 +43,7 @@ class VLMTritonModel(LLMTritonModel):
 
     def execute(self, requests: list) -> None:
         # decode and tile the images of this call in parallel; the base class then validates and queues
-        images = [_input(self.pb, r, "image") for r in requests]
+        images = [optional_input(self.pb, r, "image") for r in requests]
         self.tiling = {id(r): self.pool.submit(self.tile, i) for r, i in zip(requests, images)}
         try:
             return super().execute(requests)

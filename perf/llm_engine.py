@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import tempfile
 import time
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="plain PyTorch elementwise kernels (default on CUDA: torch.compile'd)")
     parser.add_argument("--scenario", default="llm-engine", help="result file name")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
-    parser.add_argument("--host", default=__import__("socket").gethostname())
+    parser.add_argument("--host", default=socket.gethostname())
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(0)

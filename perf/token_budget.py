@@ -57,13 +57,14 @@ def pruning_rows(keep_ratio: float = 0.5, max_tokens: int = 16) -> list[list]:
     preprocess = ImagePreprocessor.from_dict(image_processor_config(checkpoint))
     placeholder = engine.tokenizer.convert_tokens_to_ids("<image>")
     full_tiler = tiler_from_checkpoint(checkpoint)
+    towers = [LlavaVision(checkpoint, t) for t in (full_tiler, dataclasses.replace(full_tiler, keep_ratio=keep_ratio))]
     rows = []
     for seed, (width, height, _) in enumerate(IMAGE_SET):
         image = photo_like(width, height, seed)
         answers = []
-        for tiler in (full_tiler, dataclasses.replace(full_tiler, keep_ratio=keep_ratio)):
-            tiles, plan = tiler.tiles(image, preprocess)
-            (embeds,) = LlavaVision(checkpoint, tiler)(torch.from_numpy(tiles), [plan])
+        for vision in towers:
+            tiles, plan = vision.tiler.tiles(image, preprocess)
+            (embeds,) = vision(torch.from_numpy(tiles), [plan])
             ids = engine.tokenizer("<image>\na photo of the cat")["input_ids"]
             at = ids.index(placeholder)
             ids = ids[:at] + [placeholder] * plan.num_image_tokens + ids[at + 1:]

@@ -19,6 +19,7 @@ import numpy as np
 
 from backends.errors import InvalidInput
 from backends.generation import GENERATION_INPUTS, check_request_parameters, read_generation_request
+from backends.triton_model import model_parameters, optional_input
 
 ALPHABET = string.ascii_lowercase  # one byte-level token each
 
@@ -39,7 +40,7 @@ class TokenStreamModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
-        params = {k: v["string_value"] for k, v in json.loads(args["model_config"]).get("parameters", {}).items()}
+        params = model_parameters(json.loads(args["model_config"]))
         self.first_token_s = float(params.get("first_token_ms", "20")) / 1e3
         self.interval_s = float(params.get("token_interval_ms", "5")) / 1e3
         self.heap: list[_Stream] = []
@@ -56,7 +57,7 @@ class TokenStreamModel:
             try:
                 check_request_parameters(request.parameters())
                 ask = read_generation_request(
-                    lambda name: _input(self.pb, request, name), max_tokens_limit=1_000_000)
+                    lambda name: optional_input(self.pb, request, name), max_tokens_limit=1_000_000)
             except InvalidInput as e:
                 sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e), self.pb.TritonError.INVALID_ARG)),
                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -101,11 +102,6 @@ class TokenStreamModel:
                 item.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             self.wake.notify()
         self.thread.join()
-
-
-def _input(pb, request, name: str) -> np.ndarray | None:
-    tensor = pb.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
 
 
 MODEL_PY = '"""Calibration model for the LLM benchmark: perf.token_stream."""\n' \

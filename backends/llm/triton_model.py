@@ -21,6 +21,7 @@ from backends.generation import GenerationRequest, check_request_parameters, rea
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sequence import Sequence
+from backends.triton_model import model_parameters, optional_input
 
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.01  # is_cancelled() and metric updates are IPC round trips: do them at most this often
@@ -38,9 +39,8 @@ class LLMTritonModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
-        config = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        engine_config = EngineConfig.from_params(params)
+        self.params = model_parameters(json.loads(args["model_config"]))
+        engine_config = EngineConfig.from_params(self.params)
         if args.get("model_instance_kind") == "GPU":
             engine_config = EngineConfig(**{**engine_config.__dict__,
                                             "device": f"cuda:{args['model_instance_device_id']}"})
@@ -59,7 +59,8 @@ class LLMTritonModel:
             sender = request.get_response_sender()
             try:
                 check_request_parameters(request.parameters())
-                ask = read_generation_request(lambda name: _input(self.pb, request, name), self.engine.max_model_len)
+                ask = read_generation_request(lambda name: optional_input(self.pb, request, name),
+                                              self.engine.max_model_len)
                 prepared = self.prepare(request, ask)
             except InvalidInput as e:
                 self._fail(sender, e, self.pb.TritonError.INVALID_ARG)
@@ -156,11 +157,6 @@ class LLMTritonModel:
     def _fail(self, sender, error: Exception, code) -> None:
         response = self.pb.InferenceResponse(error=self.pb.TritonError(str(error), code))
         sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-
-def _input(pb, request, name: str) -> np.ndarray | None:
-    tensor = pb.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
 
 
 class EngineMetrics:

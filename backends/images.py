@@ -22,6 +22,11 @@ DEFAULT_MAX_PIXELS = 40_000_000  # ~6300x6300; larger inputs are rejected before
 
 def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Encoded bytes (JPEG/PNG/WebP/...) -> RGB PIL image, or InvalidInput saying what is wrong."""
+    return load_rgb(open_image(data, max_pixels))
+
+
+def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Read only the header: format, size and mode, checked against `max_pixels` before any pixel is decoded."""
     if not data:
         raise InvalidInput("image is empty (0 bytes)")
     try:
@@ -38,6 +43,11 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Ima
         raise InvalidInput(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")
     if width < 1 or height < 1:
         raise InvalidInput(f"image has an empty size {width}x{height}")
+    return image
+
+
+def load_rgb(image: Image.Image) -> Image.Image:
+    """Decode the pixels of an opened image, turned as its EXIF orientation says, as RGB."""
     try:
         image.load()
         image = ImageOps.exif_transpose(image)

@@ -1,20 +1,27 @@
 """Triton adapter for `vlm` (decoupled): image + prompt -> streamed text, all in one model (no BLS hops).
 
-`execute` decodes and tiles each image (AnyRes) on a thread pool and expands the prompt's image placeholder into
-as many placeholder tokens as the image gives visual tokens; the engine loop runs the vision tower and projector
-over all tiles of the requests it admits together, then hands the embeddings to the LLM engine, which puts them at
-the placeholder positions during prefill. Streaming, cancellation and metrics are the `llm` model's.
+`execute` checks the prompt and hands the image to a thread pool, which decodes and tiles it (AnyRes) and expands
+the prompt's image placeholder into as many placeholder tokens as the image gives visual tokens; `execute` does not
+wait for it, so images of concurrent requests are prepared in parallel. The engine loop admits a request once its
+image is ready, runs the vision tower and projector over all tiles of the requests it admits together, and hands
+the embeddings to the LLM engine, which puts them at the placeholder positions during prefill. Streaming,
+cancellation and metrics are the `llm` model's.
+
+Preprocessing runs on the CPU with Pillow (pixel-exact with transformers' processor) unless the model parameter
+`preprocess_on_device` is true: then decode (nvJPEG on CUDA) and resize run on the model's device
+(backends/device_images.py), which is what keeps a 4K photo's time to first token low on a GPU.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from backends import device_images
 from backends.anyres import AnyResPlan, image_processor_config, tiler_from_checkpoint
 from backends.errors import InvalidInput
 from backends.generation import GenerationRequest
@@ -38,38 +45,45 @@ class VLMTritonModel(LLMTritonModel):
         self.placeholder = json.loads(processor.read_text()).get("image_token", "<image>") if processor.exists() \
             else "<image>"
         self.placeholder_id = self.engine.tokenizer.convert_tokens_to_ids(self.placeholder)
-        self.pool = ThreadPoolExecutor(4)
-        self.tiling: dict[int, object] = {}  # request -> its tiling future, for one execute call
+        self.on_device = self.params.get("preprocess_on_device", "false").lower() in ("1", "true", "yes")
+        self.nvjpeg = self.on_device and device_images.nvjpeg_available(self.engine.device)
+        self.pool = ThreadPoolExecutor(int(self.params.get("prepare_threads") or 4), thread_name_prefix="vlm-image")
 
-    def execute(self, requests: list) -> None:
-        # decode and tile the images of this call in parallel; the base class then validates and queues
-        images = [optional_input(self.pb, r, "image") for r in requests]
-        self.tiling = {id(r): self.pool.submit(self.tile, i) for r, i in zip(requests, images)}
-        try:
-            return super().execute(requests)
-        finally:
-            self.tiling.clear()
-
-    def tile(self, image: np.ndarray | None) -> tuple[np.ndarray, AnyResPlan]:
-        if image is None or image.size != 1:
-            raise InvalidInput("image must hold exactly one encoded image")
-        return self.tiler.tiles(decode_image(bytes(image.reshape(-1)[0])), self.preprocess)
-
-    def prepare(self, request, ask: GenerationRequest) -> tuple[list[int], np.ndarray, AnyResPlan]:
+    def prepare(self, request, ask: GenerationRequest) -> Future:
         count = ask.prompt.count(self.placeholder)
         if count > 1:
             raise InvalidInput(f"the prompt has {count} image placeholders {self.placeholder!r} for one image")
+        image = optional_input(self.pb, request, "image")
+        if image is None or image.size != 1:
+            raise InvalidInput("image must hold exactly one encoded image")
         prompt = ask.prompt if count else f"{self.placeholder}\n{ask.prompt}"  # no placeholder: image first
-        tiles, plan = self.tiling.pop(id(request)).result()
-        ids = self.engine.tokenizer(prompt)["input_ids"]
+        future = self.pool.submit(self.tile, bytes(image.reshape(-1)[0]), self.engine.tokenizer(prompt)["input_ids"])
+        future.add_done_callback(lambda _: self.wake.set())
+        return future
+
+    def tile(self, data: bytes, ids: list[int]) -> tuple[list[int], np.ndarray | torch.Tensor, AnyResPlan]:
+        """(prompt ids with the placeholder expanded to the image's token count, tiles, plan); on a worker thread."""
+        if self.on_device:
+            pixels = device_images.decode_to_device(data, self.engine.device, self.nvjpeg)
+            tiles, plan = device_images.anyres_tiles(self.tiler, pixels, self.preprocess)
+        else:
+            tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)
         at = ids.index(self.placeholder_id)
         return ids[:at] + [self.placeholder_id] * plan.num_image_tokens + ids[at + 1:], tiles, plan
 
-    def engine_inputs(self, batch: list[tuple[GenerationRequest, object]]) -> list[dict]:
-        tiles = torch.from_numpy(np.concatenate([tiles for _, (_, tiles, _) in batch]))
-        embeds = self.vision(tiles.to(self.engine.device, self.engine.dtype), [plan for _, (_, _, plan) in batch])
-        return [{"prompt": ids, "embeds": e, "placeholder_id": self.placeholder_id}
-                for (_, (ids, _, _)), e in zip(batch, embeds)]
+    def engine_inputs(self, batch: list[tuple[GenerationRequest, Future]]) -> list[dict | InvalidInput]:
+        prepared = []
+        for _, future in batch:
+            try:
+                prepared.append(future.result())
+            except InvalidInput as e:
+                prepared.append(e)
+        images = [p for p in prepared if not isinstance(p, InvalidInput)]
+        if images:
+            tiles = torch.cat([torch.as_tensor(tiles) for _, tiles, _ in images])
+            embeds = iter(self.vision(tiles.to(self.engine.device, self.engine.dtype), [plan for *_, plan in images]))
+        return [p if isinstance(p, InvalidInput) else {"prompt": p[0], "embeds": next(embeds),
+                                                       "placeholder_id": self.placeholder_id} for p in prepared]
 
     def finalize(self) -> None:
         super().finalize()

@@ -5,6 +5,7 @@ They stand in for weights we cannot download: the builder and the tests then loa
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 TINY_ROOT = Path(".checkpoints")
@@ -135,61 +136,110 @@ def tiny_clip(out: Path, text: dict = TINY_CLIP_TEXT, vision: dict = TINY_CLIP_V
 TINY_LLAVA_TILE = 56  # 4 x 4 patches of 14 px per tile
 
 
+def llava_next_tokenizer():
+    tokenizer = byte_level_tokenizer(TINY_LLM_WORDS, add_bos=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    return tokenizer
+
+
+def llava_next_config(tokenizer, vision: dict, text: dict, pinpoints: list[list[int]]):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig
+
+    return LlavaNextConfig(
+        vision_config=CLIPVisionConfig(**vision),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, **text),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-2, vision_feature_select_strategy="default")
+
+
+def save_llava_next_processor(out: Path, tokenizer, tile: int, pinpoints: list[list[int]]) -> None:
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile,
+                                                   "width": tile}, image_grid_pinpoints=pinpoints),
+        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
+        num_additional_image_tokens=1).save_pretrained(out)
+
+
 def tiny_llava_next(out: Path) -> Path:
     """A LLaVA-NeXT-shaped model: tiny CLIP vision tower (56 px tiles), 2-layer projector, tiny Llama, `<image>`."""
     import torch
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                              LlavaNextImageProcessorPil, LlavaNextProcessor)
+    from transformers import LlavaNextForConditionalGeneration
 
     tile = TINY_LLAVA_TILE
-    tokenizer = byte_level_tokenizer(TINY_LLM_WORDS, add_bos=True)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    tokenizer = llava_next_tokenizer()
     pinpoints = [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile], [3 * tile, tile], [tile, 3 * tile]]
     torch.manual_seed(0)
-    config = LlavaNextConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=2, image_size=tile, patch_size=14),
-        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
-        image_token_index=image_token, image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
-        vision_feature_select_strategy="default")
+    config = llava_next_config(
+        tokenizer, dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        image_size=tile, patch_size=14),
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=1024), pinpoints)
     model = LlavaNextForConditionalGeneration(config)
     with torch.no_grad():  # as tiny_llm: larger weights, so greedy text varies and parity tests see real margins
         for name, param in model.named_parameters():
             if param.dim() == 2 and "language_model" in name:
                 param.normal_(0, 0.2)
     model.save_pretrained(out)
-    processor = LlavaNextProcessor(
-        image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": tile}, crop_size={"height": tile,
-                                                   "width": tile}, image_grid_pinpoints=pinpoints),
-        tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default", image_token="<image>",
-        num_additional_image_tokens=1)
-    processor.save_pretrained(out)
+    save_llava_next_processor(out, tokenizer, tile, pinpoints)
+    return out
+
+
+LLAVA_1_6_GRID = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+CLIP_VIT_L14_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                        image_size=336, patch_size=14)
+LLAMA_3_8B_TEXT = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+def random_llava_next(out: Path, vision: dict = CLIP_VIT_L14_336, text: dict = LLAMA_3_8B_TEXT,
+                      pinpoints: list[list[int]] = LLAVA_1_6_GRID) -> Path:
+    """A real-size LLaVA-NeXT with random bf16 weights (N(0, 0.02), norms 1), made on the GPU when there is one:
+    8 B parameters would take minutes to initialise on a CPU. Saved like any checkpoint (sharded safetensors)."""
+    import torch
+    from transformers import LlavaNextForConditionalGeneration
+
+    tokenizer = llava_next_tokenizer()
+    config = llava_next_config(tokenizer, vision, text, pinpoints)
+    with torch.device("meta"):
+        model = LlavaNextForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+    model = model.to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator(model.device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.fill_(1)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0, 0.02, generator=generator)
+    model.save_pretrained(out)
+    save_llava_next_processor(out, tokenizer, vision["image_size"], pinpoints)
     return out
 
 
 TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip, "llm": tiny_llm, "qwen2": tiny_qwen2,
                  "llava_next": tiny_llava_next}
 
-# Real-size architectures with random weights, for GPU benchmarks: preset -> (family, builder arguments)
+# Real-size architectures with random weights, for GPU benchmarks: preset -> (model family, builder)
 RANDOM_INIT = {
-    "vit-b16-224": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                                image_size=224, patch_size=16, num_labels=1000)),
-    "clip-vit-l14-336": ("clip", dict(
-        text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
-        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                    image_size=336, patch_size=14), projection_dim=768)),
+    "vit-b16-224": ("vit", partial(tiny_vit, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                   intermediate_size=3072, image_size=224, patch_size=16, num_labels=1000)),
+    "clip-vit-l14-336": ("clip", partial(
+        tiny_clip, text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+        vision=CLIP_VIT_L14_336, projection_dim=768)),
+    "llava-next-8b": ("vlm", random_llava_next),  # CLIP ViT-L/14-336 + Llama-3-8B shapes, LLaVA-1.6 grid
 }
 
 
 def random_init_checkpoint(preset: str, root: Path = TINY_ROOT) -> tuple[str, Path]:
     """(family, path) of a real-size random-init checkpoint (the text tower keeps the tiny tokenizer's vocabulary)."""
-    family, arguments = RANDOM_INIT[preset]
+    family, build = RANDOM_INIT[preset]
     out = root / f"random-{preset}"
     if not (out / "config.json").exists():
-        TINY_BUILDERS[family](out, **arguments)
+        build(out)
     return family, out
 
 

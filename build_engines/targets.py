@@ -5,6 +5,8 @@ import copy
 import hashlib
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -254,10 +256,25 @@ LLM_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.sa
 VERIFY_LLM_BELOW_BYTES = 512 * 2**20  # greedy parity with transformers on the CPU: cheap only for small models
 
 
+def place_checkpoint(checkpoint: Path, version_dir: Path, patterns: tuple[str, ...]) -> None:
+    """Put the checkpoint's files in the model version folder: hard links where the file system allows (an 8 B
+    model is 16 GB: no second copy), copies otherwise. Weights of an earlier build are removed first."""
+    version_dir.mkdir(parents=True, exist_ok=True)
+    for stale in version_dir.glob("*.safetensors"):
+        stale.unlink()
+    for pattern in patterns:
+        for file in checkpoint.glob(pattern):
+            target = version_dir / file.name
+            target.unlink(missing_ok=True)
+            try:
+                os.link(file, target)
+            except OSError:
+                shutil.copy2(file, target)
+
+
 def build_llm(opts: BuildOptions) -> None:
     """Copy the checkpoint and tokenizer into model_repository/llm/1 (the engine in backends/llm loads them as
     they are), check greedy parity with transformers for small models, write the decoupled config."""
-    import shutil
 
     from backends.generation import GENERATION_INPUTS
     from backends.llm.model import ModelArgs
@@ -274,12 +291,7 @@ def build_llm(opts: BuildOptions) -> None:
     progress = Progress("llm", 3)
     version_dir = opts.repository / "llm" / "1"
     with progress.step(f"copying {opts.checkpoint} into {version_dir}"):
-        version_dir.mkdir(parents=True, exist_ok=True)
-        for stale in version_dir.glob("*.safetensors"):
-            stale.unlink()
-        for pattern in LLM_FILES:
-            for file in opts.checkpoint.glob(pattern):
-                shutil.copy2(file, version_dir / file.name)
+        place_checkpoint(opts.checkpoint, version_dir, LLM_FILES)
     size = sum(f.stat().st_size for f in version_dir.glob("*.safetensors"))
     if size < VERIFY_LLM_BELOW_BYTES:
         with progress.step("greedy tokens vs transformers generate on the CPU"):
@@ -346,7 +358,6 @@ def build_tensorrt_llm(opts: BuildOptions) -> None:
 def build_anyres(opts: BuildOptions) -> None:
     """The `anyres` model from a LLaVA-NeXT checkpoint: its tiling settings (pinpoints, tile, patch, feature
     selection) and image processor config; no weights."""
-    import shutil
 
     from backends.anyres import image_processor_config, tiler_from_checkpoint
 
@@ -375,7 +386,6 @@ def build_anyres(opts: BuildOptions) -> None:
 def build_vlm(opts: BuildOptions) -> None:
     """The `vlm` model from a LLaVA-NeXT checkpoint: the whole checkpoint (vision tower, projector, language model,
     tokenizer, processor configs) copied into model_repository/vlm/1; parity is covered by the tests."""
-    import shutil
 
     from backends.anyres import tiler_from_checkpoint
     from backends.generation import GENERATION_INPUTS
@@ -385,12 +395,7 @@ def build_vlm(opts: BuildOptions) -> None:
         return
     tiler_from_checkpoint(opts.checkpoint)  # a checkpoint that is not LLaVA-NeXT-like fails here
     version_dir = opts.repository / "vlm" / "1"
-    version_dir.mkdir(parents=True, exist_ok=True)
-    for stale in version_dir.glob("*.safetensors"):
-        stale.unlink()
-    for pattern in (*LLM_FILES, "processor_config.json", "preprocessor_config.json"):
-        for file in opts.checkpoint.glob(pattern):
-            shutil.copy2(file, version_dir / file.name)
+    place_checkpoint(opts.checkpoint, version_dir, (*LLM_FILES, "processor_config.json", "preprocessor_config.json"))
     params = {k: v for k, v in common_parameters(opts).items() if k not in ("runtime", "prepare_threads")}
     params["dtype"] = opts.precision
     write_model(opts.repository, PythonModelConfig(

@@ -6,7 +6,8 @@
 # RESULTS_DIR/<HOST>/. Re-running with the same WORK folder skips what is done.
 #   PYTHON (python3)  WORK (/tmp/triton-multimodal-bench)  HOST (gpu)  MODELS ("vit clip_vision")
 #   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
-#   SCENARIOS ("images"; add "llm" for the served llm streaming run on the tiny model, bf16 on CUDA)
+#   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
+#   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -68,6 +69,17 @@ if [[ " ${SCENARIOS:-images} " == *" llm "* ]]; then
   "$py" -c "import sys, tempfile; from pathlib import Path; from perf.llm_scenarios import served_llm_bench; \
 from perf.report import hardware_line; t = tempfile.mkdtemp(); \
 served_llm_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], Path(t), hardware_line('2.51.0'))" \
+    "$results" "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" vlm "* ]]; then
+  if [ "${TINY:-0}" = 1 ]; then
+    "${build[@]}" vlm --tiny
+  else  # CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16 weights made on the GPU (16 GB of safetensors)
+    "${build[@]}" vlm --random-init llava-next-8b --precision bf16 --device cuda
+  fi
+  "$py" -c "import sys; from pathlib import Path; from perf.llm_scenarios import served_vlm_bench; \
+from perf.report import hardware_line; \
+served_vlm_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], hardware_line('2.51.0'))" \
     "$results" "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
-from client.sdk import generation_inputs
+from client.sdk import generation_inputs, infer_inputs
 
 PERCENTILES = (50, 90, 99)
 
@@ -66,9 +66,10 @@ async def stream_one(client: grpcclient.InferenceServerClient, model: str, input
     return timing
 
 
-async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec,
-                   extra: dict | None = None) -> list[StreamTiming]:
-    """Warm-up round, then `spec.requests` requests from `spec.concurrency` closed-loop workers."""
+async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec, extra: dict | None = None,
+                   tensors: dict[str, np.ndarray] | None = None) -> list[StreamTiming]:
+    """Warm-up round, then `spec.requests` requests from `spec.concurrency` closed-loop workers. `extra`: optional
+    generation inputs; `tensors`: more inputs sent as they are with every request (the `vlm`'s image)."""
     client = grpcclient.InferenceServerClient(url)
     try:
         async def drive(count: int) -> list[StreamTiming]:
@@ -78,7 +79,7 @@ async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec,
             async def worker():
                 for i in queue:
                     inputs = generation_inputs(grpcclient, prompts[i % len(prompts)], spec.output_tokens,
-                                               **(extra or {}))
+                                               **(extra or {})) + infer_inputs(grpcclient, tensors or {})
                     results.append(await stream_one(client, model, inputs))
 
             await asyncio.gather(*(worker() for _ in range(spec.concurrency)))

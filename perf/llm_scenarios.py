@@ -3,7 +3,13 @@ concurrencies and lengths, first against the `token_stream` calibration model, t
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import time
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 from backends.server import TritonServer, free_port
 from build_engines.checkpoints import byte_level_tokenizer
@@ -99,3 +105,118 @@ def served_llm_bench(repository: Path, results: Path, tmp: Path, hardware: str) 
                        + ("" if genai_perf.available() else " genai-perf rows: not run (`make genai-perf`)."),
                        *genai_notes])
     print("LLM streaming (served llm) written", flush=True)
+
+
+VLM_LOADS = [(1, 32, 16), (16, 32, 16)]  # (concurrency, prompt text tokens, output tokens), one image per request
+
+
+def preprocessing_ms(folder: Path, image: bytes, device: str, repeats: int = 5) -> dict[str, float]:
+    """Median ms, in this process, of decoding and tiling `image` on the CPU (Pillow) and on `device`."""
+    import statistics
+
+    import torch
+
+    from backends import device_images
+    from backends.anyres import image_processor_config, tiler_from_checkpoint
+    from backends.images import ImagePreprocessor, decode_image
+
+    tiler = tiler_from_checkpoint(folder)
+    preprocess = ImagePreprocessor.from_dict(image_processor_config(folder))
+    target = torch.device(device)
+    nvjpeg = device_images.nvjpeg_available(target)
+
+    def on_device():
+        tiles, _ = device_images.anyres_tiles(tiler, device_images.decode_to_device(image, target, nvjpeg), preprocess)
+        tiles.cpu() if target.type == "cpu" else torch.cuda.synchronize(target)
+
+    out = {}
+    for name, run in (("cpu", lambda: tiler.tiles(decode_image(image), preprocess)), ("device", on_device)):
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - start) * 1e3)
+        out[name] = statistics.median(times)
+    out["nvjpeg"] = nvjpeg
+    out["tokens"] = tiler.plan(*Image.open(io.BytesIO(image)).size[::-1]).num_image_tokens
+    return out
+
+
+def describe_llava(folder: Path) -> str:
+    config = json.loads((folder / "config.json").read_text())
+    engine = json.loads((folder / "engine.json").read_text())
+    vision, text = config["vision_config"], config["text_config"]
+    out = (f"vision tower CLIP {vision['num_hidden_layers']} layers x {vision['hidden_size']}, {vision['image_size']} "
+           f"px tiles; language model {text['model_type']} {text['num_hidden_layers']} layers x {text['hidden_size']} "
+           f"({text['num_key_value_heads']} KV heads, MLP {text['intermediate_size']}); {engine['precision']}; weights "
+           f"from {Path(engine['checkpoint']).name}")
+    if text["vocab_size"] < 32000:
+        out += (f" (random-init presets keep the byte-level test tokenizer: the embedding and LM head have "
+                f"{text['vocab_size']} rows, not a real vocabulary's ~128k; prefill computes logits for the last "
+                "token only, so TTFT moves by well under a millisecond)")
+    return out
+
+
+def wait_unloaded(client, model: str, device: str, timeout_s: float = 120) -> None:
+    """Until Triton reports the model unloaded and, on a GPU, its memory is back (the stub exits after that)."""
+    import torch
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = {m["name"]: m.get("state") for m in client.get_model_repository_index(as_json=True)["models"]}
+        free, total = torch.cuda.mem_get_info() if device == "cuda" else (1, 1)
+        if states.get(model) == "UNAVAILABLE" and free > 0.8 * total:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{model} did not unload within {timeout_s:.0f} s")
+
+
+def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple[int, int] = (3840, 2160),
+                     loads=VLM_LOADS) -> None:
+    """Time to first token of the served `vlm` for one photo-sized JPEG per request, with the image prepared on the
+    CPU (the model's default, pixel-exact with transformers) and on the model's device (`preprocess_on_device`)."""
+    import tritonclient.grpc as grpcclient
+    from transformers import AutoTokenizer
+
+    from perf.inputs import encoded_images
+
+    image = encoded_images([(*size, "JPEG")])[0]
+    folder = repository / "vlm" / "1"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rows = []
+    with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-vlm.log"),
+                      model_control="explicit", load_models=["vlm"]) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        config = client.get_model_config("vlm", as_json=True)["config"]
+        device = "cuda" if config["instance_group"][0]["kind"] == "KIND_GPU" else "cpu"
+        times = preprocessing_ms(folder, image, device)
+        for on_device in (False, True):
+            if on_device:  # reload with the parameter flipped (unload first: one 8 B model in memory at a time)
+                client.unload_model("vlm")
+                wait_unloaded(client, "vlm", device)
+                config["parameters"]["preprocess_on_device"] = {"string_value": "true"}
+                client.load_model("vlm", config=json.dumps(config))
+            label = f"vlm ({'on-device' if on_device else 'CPU'} preprocessing)"
+            for concurrency, input_tokens, output_tokens in loads:
+                spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
+                prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                                       lambda ids: tokenizer.decode(ids))
+                timings = asyncio.run(run_load(server.grpc_url, "vlm", prompts, spec, {"min_length": output_tokens},
+                                               {"image": np.array([image], dtype=object)}))
+                rows.append(llm_row(label, "perf/llm.py", spec,
+                                    summarize(timings, lambda t: len(tokenizer.encode(t, add_special_tokens=False)))))
+                print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+    notes = [
+        f"Every request: one {size[0]}x{size[1]} JPEG ({len(image) / 1e6:.1f} MB, quality 90, photo-like) and a "
+        f"prompt of `input tokens` text tokens; the image adds {times['tokens']} visual tokens (AnyRes over the "
+        "checkpoint's grid, unpadded, row newlines); every request generates exactly `output tokens` (min_length).",
+        f"Preparing this image in this process on the same host (median of 5): CPU path (Pillow decode + two "
+        f"antialiased bicubic resizes from the full image + normalise) {times['cpu']:.1f} ms; on the model's device "
+        f"({'nvJPEG' if times['nvjpeg'] else 'Pillow'} decode + torch resize) {times['device']:.1f} ms.",
+        "The vision tower and the language model's prefill run in the engine loop; TTFT = request sent -> first "
+        "token streamed back (perf/llm.py, genai-perf's definition).",
+        f"Model: {describe_llava(folder)}.",
+    ]
+    write_llm_results(results, "vlm-ttft", rows, hardware, notes)
+    print("VLM time to first token written", flush=True)

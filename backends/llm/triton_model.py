@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class LLMTritonModel:
                                             "device": f"cuda:{args['model_instance_device_id']}"})
         self.engine = LLMEngine(Path(args["model_repository"]) / args["model_version"], engine_config)
         self.inbox: queue.Queue[tuple[object, object, GenerationRequest, object]] = queue.Queue()
+        self.pending: list[tuple[object, object, GenerationRequest, object]] = []  # queued, preparation running
         self.active: dict[Sequence, _Stream] = {}
         self.wake = threading.Event()
         self.running = True
@@ -70,21 +72,28 @@ class LLMTritonModel:
         return None
 
     def prepare(self, request, ask: GenerationRequest) -> object:
-        """Per-request work done in `execute`, before queueing (the VLM decodes and tiles its image here)."""
+        """Per-request checks and work started in `execute`. A Future (the VLM's image decoding) keeps the request
+        out of the engine until it is done, without holding up `execute`; it must set `self.wake` when done."""
         return None
 
-    def engine_inputs(self, batch: list[tuple[GenerationRequest, object]]) -> list[dict]:
-        """`engine.add` arguments for the requests admitted together (the VLM adds image embeddings, batched)."""
+    def engine_inputs(self, batch: list[tuple[GenerationRequest, object]]) -> list[dict | InvalidInput]:
+        """`engine.add` arguments (or the reason it is refused) for each request admitted together (the VLM runs
+        the vision tower over the images of all of them here)."""
         return [{"prompt": ask.prompt} for ask, _ in batch]
 
     def finalize(self) -> None:
         self.running = False
         self.wake.set()
         self.thread.join(timeout=10)  # never hang the unload: the loop is a daemon thread
+        unloading = RuntimeError("the model is being unloaded")
         for seq, stream in list(self.active.items()):
             self.engine.cancel(seq)
-            self._fail(stream.sender, RuntimeError("the model is being unloaded"), self.pb.TritonError.UNAVAILABLE)
+            self._fail(stream.sender, unloading, self.pb.TritonError.UNAVAILABLE)
         self.active.clear()
+        self._take_inbox()
+        for _, sender, _, _ in self.pending:
+            self._fail(sender, unloading, self.pb.TritonError.UNAVAILABLE)
+        self.pending.clear()
         self.metrics.close()
 
     # --- the engine loop ------------------------------------------------------------------------------------
@@ -112,20 +121,36 @@ class LLMTritonModel:
             for seq in advanced:
                 self._respond(seq)
 
-    def _admit(self) -> None:
-        items = []
+    def _take_inbox(self) -> None:
         while True:
             try:
-                items.append(self.inbox.get_nowait())
+                self.pending.append(self.inbox.get_nowait())
             except queue.Empty:
-                break
-        if not items:
+                return
+
+    def _admit(self) -> None:
+        self._take_inbox()
+        ready, waiting = [], []
+        for item in self.pending:  # one pass: a future finishing meanwhile must land in exactly one list
+            (waiting if isinstance(item[3], Future) and not item[3].done() else ready).append(item)
+        self.pending = waiting
+        if not ready:
             return
-        for (request, sender, ask, _), inputs in zip(items, self.engine_inputs([(i[2], i[3]) for i in items])):
+        try:
+            inputs = self.engine_inputs([(ask, prepared) for _, _, ask, prepared in ready])
+        except Exception as e:  # e.g. the vision tower failed: these requests fail, the server keeps serving
+            log.exception("preparing engine inputs failed")
+            inputs = [RuntimeError(f"preparing the request failed: {e}")] * len(ready)
+        for (request, sender, ask, _), item in zip(ready, inputs):
             try:
-                seq = self.engine.add(sampling=ask.sampling, request_id=request.request_id(), **inputs)
+                if isinstance(item, Exception):
+                    raise item
+                seq = self.engine.add(sampling=ask.sampling, request_id=request.request_id(), **item)
             except InvalidInput as e:
                 self._fail(sender, e, self.pb.TritonError.INVALID_ARG)
+                continue
+            except Exception as e:
+                self._fail(sender, e, self.pb.TritonError.INTERNAL)
                 continue
             self.active[seq] = _Stream(request, sender, ask.stream)
 

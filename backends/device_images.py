@@ -8,6 +8,8 @@ default where exact parity with transformers matters; the plan and the token cou
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from backends.images import DEFAULT_MAX_PIXELS, ImagePreprocessor, load_rgb, ope
 
 TORCH_MODES = {Image.Resampling.BICUBIC: "bicubic", Image.Resampling.BILINEAR: "bilinear"}
 EXIF_ORIENTATION = 0x0112
+log = logging.getLogger(__name__)
 
 
 def nvjpeg_available(device: torch.device) -> bool:
@@ -42,8 +45,8 @@ def decode_to_device(data: bytes, device: torch.device, nvjpeg: bool,
         try:
             return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
                                device=device)
-        except RuntimeError:
-            pass  # a JPEG nvJPEG cannot take: Pillow decodes it or says what is wrong with it
+        except RuntimeError as e:  # a JPEG nvJPEG cannot take: Pillow decodes it or says what is wrong with it
+            log.warning("nvJPEG refused a %dx%d JPEG (%s); decoding it with Pillow", *image.size, e)
     return torch.from_numpy(np.array(load_rgb(image), dtype=np.uint8)).to(device).permute(2, 0, 1)
 
 

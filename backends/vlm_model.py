@@ -47,6 +47,9 @@ class VLMTritonModel(LLMTritonModel):
         self.placeholder_id = self.engine.tokenizer.convert_tokens_to_ids(self.placeholder)
         self.on_device = self.params.get("preprocess_on_device", "false").lower() in ("1", "true", "yes")
         self.nvjpeg = self.on_device and device_images.nvjpeg_available(self.engine.device)
+        self.pb.Logger.log_info("vlm: images prepared " + (
+            f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}" if self.on_device
+            else "on the CPU by Pillow, as transformers' processor"))
         self.pool = ThreadPoolExecutor(int(self.params.get("prepare_threads") or 4), thread_name_prefix="vlm-image")
 
     def prepare(self, request, ask: GenerationRequest) -> Future:

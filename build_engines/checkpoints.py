@@ -5,6 +5,7 @@ They stand in for weights we cannot download: the builder and the tests then loa
 """
 from __future__ import annotations
 
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -238,8 +239,11 @@ def random_init_checkpoint(preset: str, root: Path = TINY_ROOT) -> tuple[str, Pa
     """(family, path) of a real-size random-init checkpoint (the text tower keeps the tiny tokenizer's vocabulary)."""
     family, build = RANDOM_INIT[preset]
     out = root / f"random-{preset}"
-    if not (out / "config.json").exists():
-        build(out)
+    if not out.exists():  # written aside, then renamed: an interrupted build (16 GB for 8 B) is never taken as done
+        partial = root / f"random-{preset}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        build(partial)
+        partial.rename(out)
     return family, out
 
 

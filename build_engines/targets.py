@@ -396,7 +396,7 @@ def build_vlm(opts: BuildOptions) -> None:
     tiler_from_checkpoint(opts.checkpoint)  # a checkpoint that is not LLaVA-NeXT-like fails here
     version_dir = opts.repository / "vlm" / "1"
     place_checkpoint(opts.checkpoint, version_dir, (*LLM_FILES, "processor_config.json", "preprocessor_config.json"))
-    params = {k: v for k, v in common_parameters(opts).items() if k not in ("runtime", "prepare_threads")}
+    params = {k: v for k, v in common_parameters(opts).items() if k != "runtime"}  # prepare_threads: image workers
     params["dtype"] = opts.precision
     write_model(opts.repository, PythonModelConfig(
         "vlm", [Tensor("image", "BYTES", [1]), *(Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS)],

@@ -19,6 +19,28 @@ from backends.errors import InvalidInput
 log = logging.getLogger(__name__)
 
 
+class TritonLogHandler(logging.Handler):
+    """The `backends` package's log records into Triton's own log (pb_utils.Logger), beside the server's lines:
+    the stub's Python logging has no handler of its own."""
+
+    def __init__(self, pb):
+        super().__init__(logging.INFO)
+        self.pb = pb
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = self.pb.Logger
+        write = logger.log_error if record.levelno >= logging.ERROR else \
+            logger.log_warn if record.levelno >= logging.WARNING else logger.log_info
+        write(f"{record.name}: {self.format(record)}")
+
+
+def route_logs_to_triton(pb) -> None:
+    package = logging.getLogger("backends")
+    if not any(isinstance(h, TritonLogHandler) for h in package.handlers):
+        package.addHandler(TritonLogHandler(pb))
+        package.setLevel(logging.INFO)
+
+
 def model_parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
@@ -48,6 +70,7 @@ class BatchedTritonModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
+        route_logs_to_triton(pb_utils)
         config = json.loads(args["model_config"])
         self.params = model_parameters(config)
         self.input_name = config["input"][0]["name"]

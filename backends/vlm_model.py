@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from backends.images import ImagePreprocessor, decode_image
 from backends.llava_vision import LlavaVision
 from backends.llm.triton_model import LLMTritonModel
 from backends.triton_model import optional_input
+
+log = logging.getLogger(__name__)
 
 
 class VLMTritonModel(LLMTritonModel):
@@ -47,9 +50,8 @@ class VLMTritonModel(LLMTritonModel):
         self.placeholder_id = self.engine.tokenizer.convert_tokens_to_ids(self.placeholder)
         self.on_device = self.params.get("preprocess_on_device", "false").lower() in ("1", "true", "yes")
         self.nvjpeg = self.on_device and device_images.nvjpeg_available(self.engine.device)
-        self.pb.Logger.log_info("vlm: images prepared " + (
-            f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}" if self.on_device
-            else "on the CPU by Pillow, as transformers' processor"))
+        log.info("images prepared %s", f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}"
+                 if self.on_device else "on the CPU by Pillow, as transformers' processor")
         self.pool = ThreadPoolExecutor(int(self.params.get("prepare_threads") or 4), thread_name_prefix="vlm-image")
 
     def prepare(self, request, ask: GenerationRequest) -> Future:

@@ -19,6 +19,7 @@ import torch
 
 from backends.errors import InvalidInput
 from backends.generation import SamplingParams
+from backends.llm.attention import AttentionMetadata
 from backends.llm.detokenizer import append_text, flush_text
 from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from backends.llm.model import load_model
@@ -103,8 +104,11 @@ class LLMEngine:
                                   capture=config.cuda_graphs and self.device.type == "cuda")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens)
         if self.runner.capture:
+            before = torch.cuda.memory_reserved(self.device)
             with torch.inference_mode():
-                log.info("captured %d decode CUDA graphs", self.runner.capture_all())
+                count = self.runner.capture_all()
+            log.info("captured %d decode CUDA graphs (%.2f GiB more reserved)", count,
+                     (torch.cuda.memory_reserved(self.device) - before) / 2**30)
         self.stats = EngineStats()
         log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", args.model_type, config.dtype,
                  self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
@@ -114,12 +118,43 @@ class LLMEngine:
             return self.config.kv_cache_memory_mb * 2**20
         if self.device.type != "cuda":
             return 256 * 2**20
+        decode, prefill = self._measure_step_memory()
+        # the graphs keep one shared pool as large as the largest decode step (captured first); prefill steps and
+        # eager decode steps allocate their own temporaries outside it
+        reserve = prefill + (decode if self.config.cuda_graphs else 0)
         free, total = torch.cuda.mem_get_info(self.device)
-        # the weights are loaded; leave room for the largest prefill's activations (a measured warm-up would be
-        # tighter: logits for max_prefill_tokens rows are the largest single buffer)
-        activations = 8 * self.config.max_prefill_tokens * (self.model.args.hidden_size * 4
-                                                            + self.model.args.intermediate_size * 2)
-        return int(free - (1 - self.config.gpu_memory_utilization) * total - activations)
+        log.info("measured step memory: decode %.2f GiB, prefill %.2f GiB", decode / 2**30, prefill / 2**30)
+        return int(free - (1 - self.config.gpu_memory_utilization) * total - reserve)
+
+    @torch.inference_mode()
+    def _measure_step_memory(self) -> tuple[int, int]:
+        """Peak bytes of the largest decode step (the widest graph bucket) and of a max_prefill_tokens prefill, each
+        run once eagerly over a one-block cache that every block table points at (the temporaries' sizes depend on
+        the shapes, not on what the blocks hold)."""
+        args, block = self.model.args, self.config.block_size
+        cache = allocate_kv_cache(args.num_hidden_layers, 1, block, args.num_key_value_heads, args.head_dim,
+                                  self.dtype, self.device)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
+        batch = 1 << (self.config.max_batch - 1).bit_length()
+        width = 1 << (-(-min(self.config.graph_max_context, self.max_model_len) // block) - 1).bit_length()
+        tokens = min(self.config.max_prefill_tokens, self.max_model_len)
+        span = torch.arange(tokens, device=self.device)
+        steps = [  # (ids, positions, metadata) of the largest decode step, then of the largest prefill
+            (zeros(batch), zeros(batch), AttentionMetadata(zeros(batch), zeros(batch, width).int(), zeros(batch, 1),
+                                                           None, width * block)),
+            (zeros(tokens), span, AttentionMetadata(zeros(tokens), zeros(1, -(-tokens // block)).int(), span[None],
+                                                    (zeros(tokens), span), tokens))]
+        peaks = []
+        for ids, positions, meta in steps:
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.model.logits(self.model(ids, positions, cache, meta)[-1:])
+            torch.cuda.synchronize(self.device)
+            peaks.append(torch.cuda.max_memory_allocated(self.device) - base)
+        del cache, steps
+        torch.cuda.empty_cache()
+        return peaks[0], peaks[1]
 
     # --- requests -------------------------------------------------------------------------------------------
     def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0,

@@ -104,8 +104,8 @@ class ModelRunner:
         self.tables.fill_(SCRATCH_BLOCK)
         batches = [1 << i for i in range(self.max_batch.bit_length())]
         widths = [1 << i for i in range(self.max_blocks.bit_length())]
-        for batch in reversed(batches):  # largest first: later graphs reuse its pool memory
-            for width in widths:
+        for batch in reversed(batches):  # largest first: the smaller ones that follow reuse its pool memory
+            for width in reversed(widths):
                 if (batch, width) not in self.graphs:
                     self.graphs[batch, width] = self.capture_graph(batch, width)
         return len(self.graphs)

@@ -22,7 +22,7 @@ from backends.generation import GenerationRequest, check_request_parameters, rea
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sequence import Sequence
-from backends.triton_model import model_parameters, optional_input
+from backends.triton_model import model_parameters, optional_input, route_logs_to_triton
 
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.01  # is_cancelled() and metric updates are IPC round trips: do them at most this often
@@ -40,6 +40,7 @@ class LLMTritonModel:
         import triton_python_backend_utils as pb_utils
 
         self.pb = pb_utils
+        route_logs_to_triton(pb_utils)
         self.params = model_parameters(json.loads(args["model_config"]))
         engine_config = EngineConfig.from_params(self.params)
         if args.get("model_instance_kind") == "GPU":

@@ -40,13 +40,15 @@ def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta
     blocks = meta.block_tables[:, :-(-meta.max_context_len // k_cache.shape[1])]
     keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
     values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
-    if meta.token_index is None:
-        queries = q.view(batch, 1, *q.shape[1:])
-    else:
-        queries = q.new_zeros(batch, max_query, *q.shape[1:])
-        queries[meta.token_index] = q
     key_positions = torch.arange(keys.shape[2], device=q.device)
     mask = key_positions[None, None, None, :] <= meta.query_positions[:, None, :, None]  # causal, and in the cache
+    if meta.token_index is None:
+        # decode: the query heads sharing a KV head become that head's queries, [B, kv_heads, group, head_dim], so
+        # no kernel expands the keys and values to every query head (what enable_gqa costs outside flash)
+        queries = q.view(batch, keys.shape[1], -1, q.shape[-1])
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask).reshape(q.shape)
+    queries = q.new_zeros(batch, max_query, *q.shape[1:])
+    queries[meta.token_index] = q
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=mask,
                                          enable_gqa=keys.shape[1] != q.shape[1]).transpose(1, 2)
-    return out.reshape(q.shape) if meta.token_index is None else out[meta.token_index]
+    return out[meta.token_index]

@@ -119,9 +119,9 @@ class LLMEngine:
         if self.device.type != "cuda":
             return 256 * 2**20
         decode, prefill = self._measure_step_memory()
-        # the graphs keep one shared pool as large as the largest decode step (captured first); prefill steps and
-        # eager decode steps allocate their own temporaries outside it
-        reserve = prefill + (decode if self.config.cuda_graphs else 0)
+        # the graphs keep one shared pool, at least as large as the largest decode step (captured first; twice that
+        # leaves room for fragmentation); prefill steps and eager decode steps allocate their temporaries outside it
+        reserve = prefill + (2 * decode if self.config.cuda_graphs else decode)
         free, total = torch.cuda.mem_get_info(self.device)
         log.info("measured step memory: decode %.2f GiB, prefill %.2f GiB", decode / 2**30, prefill / 2**30)
         return int(free - (1 - self.config.gpu_memory_utilization) * total - reserve)

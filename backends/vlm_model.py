@@ -34,6 +34,12 @@ from backends.triton_model import optional_input
 log = logging.getLogger(__name__)
 
 
+def expand_placeholder(ids: list[int], placeholder_id: int, count: int) -> list[int]:
+    """The prompt with its one image placeholder token repeated once per visual token."""
+    at = ids.index(placeholder_id)
+    return ids[:at] + [placeholder_id] * count + ids[at + 1:]
+
+
 class VLMTritonModel(LLMTritonModel):
     def initialize(self, args: dict) -> None:
         super().initialize(args)
@@ -73,8 +79,7 @@ class VLMTritonModel(LLMTritonModel):
             tiles, plan = device_images.anyres_tiles(self.tiler, pixels, self.preprocess)
         else:
             tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)
-        at = ids.index(self.placeholder_id)
-        return ids[:at] + [self.placeholder_id] * plan.num_image_tokens + ids[at + 1:], tiles, plan
+        return expand_placeholder(ids, self.placeholder_id, plan.num_image_tokens), tiles, plan
 
     def engine_inputs(self, batch: list[tuple[GenerationRequest, Future]]) -> list[dict | InvalidInput]:
         prepared = []

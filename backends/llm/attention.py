@@ -40,6 +40,13 @@ def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta
     blocks = meta.block_tables[:, :-(-meta.max_context_len // k_cache.shape[1])]
     keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
     values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    gqa = keys.shape[1] != q.shape[1]
+    if meta.token_index is not None and batch == 1 and meta.max_context_len == max_query:
+        # one prompt with nothing cached: plain causal attention, which SDPA runs as flash attention on a GPU
+        n = max_query
+        out = F.scaled_dot_product_attention(q.view(1, n, *q.shape[1:]).transpose(1, 2), keys[:, :, :n],
+                                             values[:, :, :n], is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(q.shape)
     key_positions = torch.arange(keys.shape[2], device=q.device)
     mask = key_positions[None, None, None, :] <= meta.query_positions[:, None, :, None]  # causal, and in the cache
     if meta.token_index is None:
@@ -50,5 +57,5 @@ def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta
     queries = q.new_zeros(batch, max_query, *q.shape[1:])
     queries[meta.token_index] = q
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=mask,
-                                         enable_gqa=keys.shape[1] != q.shape[1]).transpose(1, 2)
+                                         enable_gqa=gqa).transpose(1, 2)
     return out[meta.token_index]

@@ -8,6 +8,8 @@ On the CPU the same padded path runs eagerly (which is how the tests check it).
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from backends.llm.attention import AttentionMetadata
@@ -51,10 +53,10 @@ class ModelRunner:
         query_positions, embed_index, embed_rows = [], [], []
         for b, seq in enumerate(seqs):
             span = range(seq.num_cached, seq.num_tokens)
-            for row, position in enumerate(seq.embed_positions):  # image features replace their placeholders
-                if position >= seq.num_cached:
-                    embed_index.append(len(ids) + position - seq.num_cached)
-                    embed_rows.append(seq.embeds[row])
+            if seq.embeds is not None:  # image features replace their placeholders (positions ascend: a suffix)
+                first = bisect.bisect_left(seq.embed_positions, seq.num_cached)
+                embed_index += [len(ids) + p - seq.num_cached for p in seq.embed_positions[first:]]
+                embed_rows.append(seq.embeds[first:])
             ids += seq.token_ids[seq.num_cached:]
             positions += span
             slots += [self.blocks.slot(seq, p) for p in span]
@@ -65,7 +67,7 @@ class ModelRunner:
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),
                                  max(s.num_tokens for s in seqs))
-        embeds = (self.tensor(embed_index), torch.stack(embed_rows).to(self.device)) if embed_rows else None
+        embeds = (self.tensor(embed_index), torch.cat(embed_rows).to(self.device)) if embed_index else None
         hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds)
         return self.model.logits(hidden[self.tensor(last)])
 

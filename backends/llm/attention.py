@@ -25,6 +25,7 @@ class AttentionMetadata:
     query_positions: torch.Tensor  # [B, max_query_len] position of each query, padded with 0
     token_index: tuple[torch.Tensor, torch.Tensor] | None  # (seq, query) of each of the T tokens; None: decode
     max_context_len: int  # longest sequence in the cache after this step
+    fresh_lengths: tuple[int, ...] | None = None  # prefill where no sequence had anything cached: their lengths
 
 
 def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -41,12 +42,16 @@ def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta
     keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
     values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
     gqa = keys.shape[1] != q.shape[1]
-    if meta.token_index is not None and batch == 1 and meta.max_context_len == max_query:
-        # one prompt with nothing cached: plain causal attention, which SDPA runs as flash attention on a GPU
-        n = max_query
-        out = F.scaled_dot_product_attention(q.view(1, n, *q.shape[1:]).transpose(1, 2), keys[:, :, :n],
-                                             values[:, :, :n], is_causal=True, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(q.shape)
+    if meta.fresh_lengths is not None:
+        # prompts with nothing cached: each is plain causal attention over its own tokens, which SDPA runs as flash
+        # attention on a GPU (no mask, no padding); their tokens follow each other in q
+        outs, start = [], 0
+        for i, n in enumerate(meta.fresh_lengths):
+            query = q[start:start + n].view(1, n, *q.shape[1:]).transpose(1, 2)
+            outs.append(F.scaled_dot_product_attention(query, keys[i:i + 1, :, :n], values[i:i + 1, :, :n],
+                                                       is_causal=True, enable_gqa=gqa)[0].transpose(0, 1))
+            start += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
     key_positions = torch.arange(keys.shape[2], device=q.device)
     mask = key_positions[None, None, None, :] <= meta.query_positions[:, None, :, None]  # causal, and in the cache
     if meta.token_index is None:

@@ -137,16 +137,13 @@ class LLMEngine:
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         batch = 1 << (self.config.max_batch - 1).bit_length()
         width = 1 << (-(-min(self.config.graph_max_context, self.max_model_len) // block) - 1).bit_length()
-        half = min(self.config.max_prefill_tokens, self.max_model_len) // 2
-        span = torch.arange(half, device=self.device)
-        seq_index = torch.arange(2, device=self.device).repeat_interleave(half)
-        steps = [  # (ids, positions, metadata) of the largest decode step, then of the costliest prefill: two
-            # prompts of half the budget each take the masked path, whose scores grow with the longest prompt
+        tokens = min(self.config.max_prefill_tokens, self.max_model_len)
+        span = torch.arange(tokens, device=self.device)
+        steps = [  # (ids, positions, metadata) of the largest decode step, then of the largest prefill
             (zeros(batch), zeros(batch), AttentionMetadata(zeros(batch), zeros(batch, width).int(), zeros(batch, 1),
                                                            None, width * block)),
-            (zeros(2 * half), span.repeat(2), AttentionMetadata(zeros(2 * half), zeros(2, -(-half // block)).int(),
-                                                                span.repeat(2, 1), (seq_index, span.repeat(2)),
-                                                                half))]
+            (zeros(tokens), span, AttentionMetadata(zeros(tokens), zeros(1, -(-tokens // block)).int(), span[None],
+                                                    (zeros(tokens), span), tokens, (tokens,)))]
         peaks = []
         for ids, positions, meta in steps:
             torch.cuda.synchronize(self.device)

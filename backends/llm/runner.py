@@ -64,9 +64,10 @@ class ModelRunner:
             query_index += range(len(span))
             query_positions.append(list(span) + [0] * (max_query - len(span)))
             last.append(len(ids) - 1)
+        fresh = tuple(s.num_tokens for s in seqs) if all(s.num_cached == 0 for s in seqs) else None
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),
-                                 max(s.num_tokens for s in seqs))
+                                 max(s.num_tokens for s in seqs), fresh)
         embeds = (self.tensor(embed_index), torch.cat(embed_rows).to(self.device)) if embed_index else None
         hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds)
         return self.model.logits(hidden[self.tensor(last)])

@@ -9,6 +9,7 @@ import torch
 
 from backends.errors import InvalidInput
 from backends.generation import SamplingParams
+from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
 from build_engines.checkpoints import tiny_checkpoint
@@ -142,3 +143,31 @@ def test_requests_that_cannot_fit_are_invalid(checkpoint):
         engine.add("the " * 40, SamplingParams(max_tokens=30))
     with pytest.raises(InvalidInput, match="exceeds the whole KV cache"):
         make_engine(checkpoint, kv_cache_blocks=2).add("cat", SamplingParams(max_tokens=40))
+
+
+def test_prefill_attention_paths_agree_with_plain_causal_attention():
+    """Fresh prompts take per-prompt causal SDPA, other prefills the masked gather path: both equal a plain
+    per-prompt computation with the KV heads repeated, for two prompts spread over non-adjacent blocks."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, lengths = 8, 2, 16, 4, (5, 9)
+    cache = (torch.zeros(12, block, kv_heads, dim), torch.zeros(12, block, kv_heads, dim))
+    tables = torch.tensor([[3, 7, 0], [1, 10, 5]], dtype=torch.int32)  # block 0: scratch padding
+    slots = torch.tensor([int(tables[b, p // block]) * block + p % block for b, n in enumerate(lengths)
+                          for p in range(n)])
+    q, k, v = torch.randn(sum(lengths), heads, dim), torch.randn(sum(lengths), kv_heads, dim), \
+        torch.randn(sum(lengths), kv_heads, dim)
+    write_kv(cache, k, v, slots)
+    seq = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)])
+    pos = torch.tensor([p for n in lengths for p in range(n)])
+    padded = torch.tensor([list(range(n)) + [0] * (max(lengths) - n) for n in lengths])
+    masked = paged_attention(q, cache, AttentionMetadata(slots, tables, padded, (seq, pos), max(lengths)))
+    fresh = paged_attention(q, cache, AttentionMetadata(slots, tables, padded, (seq, pos), max(lengths), lengths))
+    expected, start = [], 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        expected.append(torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k[rows].repeat_interleave(heads // kv_heads, 1).transpose(0, 1),
+            v[rows].repeat_interleave(heads // kv_heads, 1).transpose(0, 1), is_causal=True).transpose(0, 1))
+        start += n
+    torch.testing.assert_close(fresh, torch.cat(expected))
+    torch.testing.assert_close(masked, torch.cat(expected))

@@ -60,3 +60,31 @@ def test_bad_generation_input_is_invalid_arg_and_server_keeps_serving(calibratio
     # a gRPC stream error carries a message but no status code (ModelStreamInferResponse.error_message)
     assert bad.error is not None and bad.error.startswith("invalid input: ") and message in bad.error
     assert one(calibration_server.grpc_url, "hi", 3).text == "abc"
+
+
+def test_served_vlm_scenario_measures_both_preprocessing_paths(repository, tmp_path):
+    """perf's vlm TTFT scenario on the tiny vlm: its own explicit-mode server, the CPU path, then a reload with
+    preprocess_on_device; every request must succeed (summarize raises otherwise) and the table names both paths."""
+    from backends.anyres import tiler_from_checkpoint
+    from perf.llm_scenarios import served_vlm_bench
+
+    served_vlm_bench(repository, tmp_path, "test", size=(640, 480), loads=[(2, 8, 3)])
+    (table,) = tmp_path.glob("*-vlm-ttft.md")
+    text = table.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| vlm")]
+    assert [r.split("|")[1].strip() for r in rows] == ["vlm (CPU preprocessing)", "vlm (on-device preprocessing)"]
+    assert all(float(r.split("|")[7]) > 0 for r in rows)  # TTFT p50
+    tokens = tiler_from_checkpoint(repository / "vlm" / "1").plan(480, 640).num_image_tokens
+    assert f"the image adds {tokens} visual tokens" in text
+
+
+def test_vlm_breakdown_times_every_part(repository, tmp_path):
+    from perf import vlm_breakdown
+
+    assert vlm_breakdown.main(["--repository", str(repository), "--size", "320x240", "--repeats", "1",
+                               "--results", str(tmp_path), "--host", "test"]) == 0
+    (table,) = (tmp_path / "test").glob("*-vlm-ttft-breakdown.md")
+    parts = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in table.read_text().splitlines()
+             if line.startswith("| ") and not line.startswith("| part")}
+    assert len(parts) == 5 and all(ms > 0 for ms in parts.values())
+    assert "aten::" in table.read_text()  # the profiler's operator table

@@ -39,8 +39,13 @@ def test_image_embeddings_equal_transformers(checkpoint):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint):
+@pytest.mark.parametrize("tiling", ["pillow", "torch"])
+def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tiling):
+    """`torch` is the on-device preprocessing path (run on the CPU here): pixels within rounding of Pillow's, and
+    still the same greedy tokens as the reference."""
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    from backends.device_images import anyres_tiles
 
     from backends.generation import SamplingParams
     from backends.llm.engine import EngineConfig, LLMEngine
@@ -59,8 +64,12 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint):
         with torch.inference_mode():
             out = reference.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs.input_ids.shape[1]:]
         expected.append([t for t in out.tolist() if t != processor.tokenizer.eos_token_id])
-        tiles, plan = tiler.tiles(image, preprocess)
-        (embeds,) = vision(torch.from_numpy(tiles), [plan])
+        if tiling == "pillow":
+            tiles, plan = tiler.tiles(image, preprocess)
+            tiles = torch.from_numpy(tiles)
+        else:
+            tiles, plan = anyres_tiles(tiler, torch.from_numpy(np.array(image)).permute(2, 0, 1), preprocess)
+        (embeds,) = vision(tiles, [plan])
         seqs.append(engine.add(inputs.input_ids[0].tolist(), SamplingParams(max_tokens=12), embeds=embeds,
                                placeholder_id=image_token))
     blind = [engine.add(s.prompt_ids, SamplingParams(max_tokens=12)) for s in seqs]  # placeholders as text

@@ -221,8 +221,78 @@ def random_llava_next(out: Path, vision: dict = CLIP_VIT_L14_336, text: dict = L
     return out
 
 
+WHISPER_SUPPRESSED = list('"#()*+/:;<=>@[]^_`{|}~')  # symbol tokens Whisper never emits (its suppress_tokens)
+
+
+def whisper_tokenizer():
+    """A real WhisperTokenizer: byte-level BPE (with the tiny word merges), then Whisper's special tokens in the
+    real vocabulary's order: end of text, start of transcript, 100 languages, tasks, ..., 1501 timestamps."""
+    from transformers import WhisperTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    byte_chars = bytes_to_unicode()
+    vocab = {c: i for i, c in enumerate(byte_chars.values())}
+    merges = []
+    for word in TINY_LLM_WORDS:
+        spelled = "".join(byte_chars[b] for b in (" " + word).encode())
+        left = spelled[0]
+        for ch in spelled[1:]:
+            merges.append((left, ch))
+            vocab.setdefault(left + ch, len(vocab))
+            left += ch
+    vocab["<|endoftext|>"] = len(vocab)
+    specials = ["<|startoftranscript|>", *(f"<|{code}|>" for code in LANGUAGES), "<|translate|>", "<|transcribe|>",
+                "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>",
+                *(f"<|{i * 0.02:.2f}|>" for i in range(1501))]
+    tokenizer = WhisperTokenizer(vocab=vocab, merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    return tokenizer
+
+
+def tiny_whisper(out: Path, num_mel_bins: int = 80, d_model: int = 64, layers: int = 2, heads: int = 4,
+                 ffn: int = 128) -> Path:
+    """A multilingual Whisper of the real architecture (80 or 128 mel bins, 1500 encoder positions = 30 s), the
+    tokenizer above and a generation config like the released checkpoints' (languages, tasks, suppressed tokens)."""
+    import torch
+    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
+                              WhisperForConditionalGeneration)
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    tokenizer = whisper_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    eot, sot = ids("<|endoftext|>"), ids("<|startoftranscript|>")
+    suppress = sorted(ids(tokenizer.tokenize(c))[0] for c in WHISPER_SUPPRESSED)
+    begin_suppress = [ids(tokenizer.tokenize(" ")[0]), eot]
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=len(tokenizer), num_mel_bins=num_mel_bins, d_model=d_model,
+                           encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+                           decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
+                           max_source_positions=1500, max_target_positions=448, decoder_start_token_id=sot,
+                           bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, suppress_tokens=suppress,
+                           begin_suppress_tokens=begin_suppress)
+    model = WhisperForConditionalGeneration(config)
+    with torch.no_grad():  # as tiny_llm: larger decoder weights, so greedy text varies ...
+        for name, param in model.named_parameters():
+            if param.dim() == 2 and "decoder" in name:
+                param.normal_(0, 0.2)
+        # ... but small embeddings (= output rows, they are tied) for the special tokens after <|endoftext|>, so
+        # text tokens and the end win the argmax as in a trained model, not the 1501 timestamps
+        model.model.decoder.embed_tokens.weight[eot + 1:].normal_(0, 0.02)
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=sot, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, max_length=448,
+        is_multilingual=True, lang_to_id={f"<|{c}|>": ids(f"<|{c}|>") for c in LANGUAGES},
+        task_to_id={"transcribe": ids("<|transcribe|>"), "translate": ids("<|translate|>")},
+        no_timestamps_token_id=ids("<|notimestamps|>"), prev_sot_token_id=ids("<|startofprev|>"),
+        suppress_tokens=suppress, begin_suppress_tokens=begin_suppress, max_initial_timestamp_index=50)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(out)
+    return out
+
+
 TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip, "llm": tiny_llm, "qwen2": tiny_qwen2,
-                 "llava_next": tiny_llava_next}
+                 "llava_next": tiny_llava_next, "whisper": tiny_whisper}
 
 # Real-size architectures with random weights, for GPU benchmarks: preset -> (model family, builder)
 RANDOM_INIT = {

@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from build_engines.export import EngineSpec, VerificationError, build_tensorrt, export_onnx, export_torch, profile_shapes, \
@@ -407,5 +408,64 @@ def build_vlm(opts: BuildOptions) -> None:
     print(f"vlm: {opts.checkpoint} ({opts.precision})")
 
 
-FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres, "vlm": build_vlm}
-DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch", "vlm": "torch"}
+WHISPER_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                 "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                 "normalizer.json", "added_tokens.json", "special_tokens_map.json")
+
+
+def build_whisper(opts: BuildOptions) -> None:
+    """The `whisper` model from a Hugging Face Whisper checkpoint (the engine in backends/whisper runs
+    transformers' encoder and decoder modules with its own KV cache): files linked or copied into
+    model_repository/whisper/1, greedy tokens checked against transformers generate for small checkpoints."""
+    if opts.runtime != "torch":
+        raise RuntimeError(f"whisper runs on the PyTorch engine in backends/whisper (--runtime torch), not "
+                           f"--runtime {opts.runtime}")
+    if up_to_date(opts, ["whisper"]):
+        print("whisper: up to date")
+        return
+    progress = Progress("whisper", 3)
+    version_dir = opts.repository / "whisper" / "1"
+    with progress.step(f"copying {opts.checkpoint} into {version_dir}"):
+        place_checkpoint(opts.checkpoint, version_dir, WHISPER_FILES)
+    size = sum(f.stat().st_size for f in version_dir.glob("*.safetensors"))
+    if size < VERIFY_LLM_BELOW_BYTES:
+        with progress.step("greedy tokens vs transformers generate on the CPU"):
+            verify_whisper(version_dir)
+    else:
+        print(f"    parity check skipped: {size / 2**30:.1f} GiB of weights (tests cover the engine on tiny models)")
+    with progress.step("writing config.pbtxt"):
+        params = {k: v for k, v in common_parameters(opts).items() if k != "runtime"}
+        params.update(dtype=opts.precision, max_audio_seconds="3600")
+        write_model(opts.repository, PythonModelConfig(
+            "whisper", [Tensor("audio", "BYTES", [1]), Tensor("language", "BYTES", [1], optional=True),
+                        Tensor("task", "BYTES", [1], optional=True),
+                        Tensor("max_tokens", "INT32", [1], optional=True)],
+            [Tensor("text", "BYTES", [1]), Tensor("tokens", "INT32", [-1])], min(opts.max_batch_size, 16),
+            opts.max_queue_delay_us, 1, instance_kind(opts), params))
+        write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
+                              fingerprint=opts.fingerprint("whisper"), checkpoint=str(opts.checkpoint.resolve()))
+
+
+def verify_whisper(checkpoint: Path, seconds=(2.0, 9.0), tokens: int = 12) -> None:
+    from transformers import WhisperForConditionalGeneration
+
+    from backends.whisper.engine import WhisperEngine
+
+    engine = WhisperEngine(checkpoint, "fp32", "cpu")
+    reference = WhisperForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    clips = [rng.normal(0, 0.1, int(16000 * s)).astype(np.float32) for s in seconds]
+    ours = engine.transcribe(clips, ["en"] * len(clips), ["transcribe"] * len(clips), [tokens] * len(clips))
+    for clip, result in zip(clips, ours):
+        features = engine.features([clip], engine.device)
+        with torch.inference_mode():
+            expected = reference.generate(features, language="en", task="transcribe", max_new_tokens=tokens)[0]
+        expected = [t for t in expected.tolist() if t != engine.eot]
+        if result.tokens != expected:
+            raise VerificationError(f"whisper greedy tokens differ from transformers: {result.tokens} vs {expected}")
+
+
+FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres, "vlm": build_vlm,
+            "whisper": build_whisper}
+DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch", "vlm": "torch",
+                   "whisper": "torch"}

@@ -1,4 +1,4 @@
-"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity,generate} ..."""
+"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity,generate,transcribe} ..."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-k", type=int)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    transcribe = sub.add_parser("transcribe", help="speech to text with the whisper model")
+    transcribe.add_argument("audio", type=Path, help="WAV, FLAC, OGG, ... file")
+    transcribe.add_argument("--language", help="language code, e.g. en (default: detected)")
+    transcribe.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
+    transcribe.add_argument("--max-tokens", type=int)
     args = parser.parse_args(argv)
     if args.command == "generate":
         args.protocol = "grpc"  # decoupled models answer over gRPC streaming only
@@ -57,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         for delta in client.generate(args.prompt, args.max_tokens, stream=args.stream, **optional):
             print(_terminal_safe(delta), end="", flush=True)
         print()
+    elif args.command == "transcribe":
+        text, _ = client.transcribe(args.audio.read_bytes(), args.language, args.task, args.max_tokens)
+        print(_terminal_safe(text))
     else:
         scores, probs = client.similarity(args.image.read_bytes(), args.texts)
         for text, score, prob in zip(args.texts, scores, probs):

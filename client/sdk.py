@@ -66,6 +66,17 @@ class Client:
                                   "text": np.array([t.encode() for t in texts], dtype=object)}, ["scores", "probs"])
         return out["scores"], out["probs"]
 
+    def transcribe(self, audio: bytes, language: str | None = None, task: str = "transcribe",
+                   max_tokens: int | None = None) -> tuple[str, list[int]]:
+        """(text, tokens) of one encoded audio file (WAV/FLAC/OGG/...) from `whisper`; language None: detected."""
+        inputs = {"audio": _bytes_column([audio]), "task": _bytes_column([task.encode()])}
+        if language:
+            inputs["language"] = _bytes_column([language.encode()])
+        if max_tokens is not None:
+            inputs["max_tokens"] = np.array([[max_tokens]], dtype=np.int32)
+        out = self.infer("whisper", inputs, ["text", "tokens"])
+        return out["text"].reshape(-1)[0].decode(), out["tokens"].reshape(-1).tolist()
+
     def generate(self, prompt: str, max_tokens: int = 64, stream: bool = True, model: str = "llm",
                  timeout_s: float = 300.0, **optional) -> Iterator[str]:
         """Text from a decoupled generating model over gRPC streaming: deltas as they arrive (stream=True) or the

@@ -50,10 +50,25 @@ def llava_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
-def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint) -> Path:
+def whisper_checkpoint() -> Path:
+    return tiny_checkpoint("whisper", ROOT / ".checkpoints")
+
+
+def wav(samples: np.ndarray, rate: int = 16000, fmt: str = "WAV", subtype: str | None = None) -> bytes:
+    """Encoded audio ([samples] or [samples, channels] float) in any format libsndfile writes."""
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint, whisper_checkpoint) -> Path:
     """The default tiny engines in model_repository/ (built once; skipped when up to date)."""
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint), ("llm", llm_checkpoint),
-                               ("anyres", llava_checkpoint), ("vlm", llava_checkpoint)):
+                               ("anyres", llava_checkpoint), ("vlm", llava_checkpoint),
+                               ("whisper", whisper_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
     return REPOSITORY
 

@@ -1,0 +1,72 @@
+"""The whisper engine's greedy tokens against WhisperForConditionalGeneration.generate on the same tiny checkpoint
+(one batch of clips of different lengths, languages given or detected, both tasks, different token budgets, 80 and
+128 mel bins), and the long-audio chunk layout and merge."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backends.errors import InvalidInput
+from backends.whisper.chunking import merge, split
+from backends.whisper.engine import WhisperEngine
+from build_engines.checkpoints import tiny_whisper
+
+RNG = np.random.default_rng(11)
+
+
+def reference_tokens(model, engine, clip, language, task, max_new_tokens) -> list[int]:
+    features = engine.features([clip], engine.device)
+    with torch.inference_mode():
+        out = model.generate(features, language=language, task=task, max_new_tokens=max_new_tokens)[0]
+    return [t for t in out.tolist() if t != engine.eot]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(whisper_checkpoint, tmp_path_factory):
+    return {80: whisper_checkpoint, 128: tiny_whisper(tmp_path_factory.mktemp("whisper-128") / "w", num_mel_bins=128)}
+
+
+@pytest.mark.parametrize("mels", [80, 128])
+def test_batched_greedy_tokens_equal_transformers_generate(checkpoints, mels):
+    from transformers import WhisperForConditionalGeneration
+
+    engine = WhisperEngine(checkpoints[mels], "fp32", "cpu")
+    model = WhisperForConditionalGeneration.from_pretrained(checkpoints[mels], dtype=torch.float32).eval()
+    clips = [RNG.normal(0, 0.05 * (i + 1), int(16000 * s)).astype(np.float32)
+             for i, s in enumerate((1.5, 7.0, 29.9, 12.0, 0.3))]
+    languages, tasks = ["en", None, "de", None, "fr"], ["transcribe", "transcribe", "translate", "transcribe",
+                                                        "transcribe"]
+    budgets = [40, 9, 40, 25, 3]  # clips of one batch finish at different steps
+    results = engine.transcribe(clips, languages, tasks, budgets)
+    for clip, language, task, budget, result in zip(clips, languages, tasks, budgets, results):
+        assert result.tokens == reference_tokens(model, engine, clip, language, task, budget)
+        assert len(result.tokens) <= budget and result.text == engine.tokenizer.decode(result.tokens,
+                                                                                       skip_special_tokens=True)
+        assert language is None or result.language == language
+    assert len({tuple(r.tokens) for r in results}) > 1  # the audio changes the answer
+
+
+def test_unknown_language_and_task_are_refused(whisper_checkpoint):
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu")
+    clip = np.zeros(1600, dtype=np.float32)
+    with pytest.raises(InvalidInput, match="unknown language 'xx'"):
+        engine.transcribe([clip], ["xx"], ["transcribe"])
+    with pytest.raises(InvalidInput, match="task must be one of"):
+        engine.transcribe([clip], ["en"], ["summarize"])
+
+
+def test_long_audio_is_cut_like_the_chunked_pipeline():
+    chunks = split(np.arange(16000 * 180, dtype=np.float32))  # 3 minutes: 30 s chunks every 20 s
+    assert len(chunks) == 9 and all(len(c) == 16000 * 30 for c in chunks[:-1]) and len(chunks[-1]) == 16000 * 20
+    assert [int(c[0]) // 16000 for c in chunks] == list(range(0, 180, 20))
+    assert len(split(np.zeros(16000 * 30, dtype=np.float32))) == 1
+
+
+def test_merge_recovers_the_text_across_known_overlaps():
+    text = list(range(100, 200))
+    # three chunks overlapping by 10 tokens, with garbled tokens where each chunk was cut (as Whisper does)
+    pieces = [text[:40] + [7], [8] + text[32:70] + [9], [5] + text[61:]]
+    assert merge(pieces) == text
+    assert merge([text[:50], [1, 2, 3]]) == text[:50] + [1, 2, 3]  # no overlap: plain concatenation
+    assert merge([text]) == text and merge([]) == []

@@ -38,15 +38,15 @@ class WhisperTritonModel:
         self.max_batch = int(params.get("max_batch") or 32)
         self.pool = ThreadPoolExecutor(int(params.get("prepare_threads") or 4))
 
-    def read(self, request) -> tuple[list[np.ndarray], str | None, str, int | None]:
-        """(chunks, language, task, max_tokens) of one request, or InvalidInput."""
+    def read(self, request) -> tuple[bytes, str | None, str, int | None]:
+        """(audio bytes, language, task, max_tokens) of one request, or InvalidInput; on the model's thread (the
+        python backend's request API is not for worker threads)."""
         audio = optional_input(self.pb, request, "audio")
         if audio is None or audio.size != 1:
             raise InvalidInput("audio must hold exactly one encoded audio file")
         language, task, max_tokens = (optional_input(self.pb, request, name) for name in ("language", "task",
                                                                                           "max_tokens"))
-        language = language.reshape(-1)[0].decode() if language is not None else None
-        language = language or None  # "" means detect
+        language = (language.reshape(-1)[0].decode() if language is not None else "") or None  # "": detect
         self.engine.check_language(language)
         task = task.reshape(-1)[0].decode() if task is not None else "transcribe"
         if task not in TASKS:
@@ -56,15 +56,25 @@ class WhisperTritonModel:
             limit = int(max_tokens.reshape(-1)[0])
             if limit < 1:
                 raise InvalidInput(f"max_tokens must be at least 1, got {limit}")
-        return split(decode_audio(bytes(audio.reshape(-1)[0]), self.limits)), language, task, limit
+        return bytes(audio.reshape(-1)[0]), language, task, limit
+
+    def chunks(self, data: bytes) -> list[np.ndarray]:
+        return split(decode_audio(data, self.limits))
 
     def execute(self, requests: list) -> list:
         pb = self.pb
         responses: list = [None] * len(requests)
-        jobs = []  # (request index, chunks, language, task, max_tokens)
-        for i, future in enumerate([self.pool.submit(self.read, r) for r in requests]):
+        decoding = {}
+        for i, request in enumerate(requests):
             try:
-                jobs.append((i, *future.result()))
+                data, *options = self.read(request)
+                decoding[i] = (self.pool.submit(self.chunks, data), *options)
+            except InvalidInput as e:
+                responses[i] = pb.InferenceResponse(error=pb.TritonError(str(e), pb.TritonError.INVALID_ARG))
+        jobs = []  # (request index, chunks, language, task, max_tokens)
+        for i, (future, *options) in decoding.items():
+            try:
+                jobs.append((i, future.result(), *options))
             except InvalidInput as e:
                 responses[i] = pb.InferenceResponse(error=pb.TritonError(str(e), pb.TritonError.INVALID_ARG))
         clips = [(job, chunk) for job in jobs for chunk in job[1]]

@@ -1,0 +1,106 @@
+"""The served `whisper` against WhisperForConditionalGeneration.generate on the same tiny checkpoint: concurrent
+requests of different lengths (batched by Triton's dynamic batcher), WAV/FLAC/OGG, a 3-minute clip through the
+chunked path, the client CLI, and bad audio refused with the reason while the server keeps serving."""
+from __future__ import annotations
+
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import tritonclient.http as httpclient
+
+from backends.audio import decode_audio
+from backends.whisper.chunking import merge, split
+from client.sdk import Client
+from tests.conftest import wav
+
+RNG = np.random.default_rng(5)
+
+
+@pytest.fixture(scope="module")
+def reference(whisper_checkpoint):
+    from transformers import WhisperForConditionalGeneration
+
+    from backends.whisper.engine import WhisperEngine
+
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu")  # its features: float64 log-mel (see test_audio)
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+
+    def tokens(clip: np.ndarray, language: str | None = None, task: str = "transcribe", max_new: int = 20):
+        with torch.inference_mode():
+            out = model.generate(engine.features([clip], engine.device), language=language, task=task,
+                                 max_new_tokens=max_new)[0]
+        return [t for t in out.tolist() if t != engine.eot]
+    return tokens
+
+
+def test_concurrent_requests_equal_transformers(server, reference):
+    clips = [RNG.normal(0, 0.1 * (i + 1), int(16000 * s)).astype(np.float32) for i, s in enumerate((1, 4, 9, 20, 2.5,
+                                                                                                    14))]
+    asks = [(clip, ("en", None, "de")[i % 3], ("transcribe", "translate")[i % 2], 8 + 3 * i)
+            for i, clip in enumerate(clips)]
+    with ThreadPoolExecutor(len(asks)) as pool:  # one HTTP client per thread: they are not thread-safe
+        served = list(pool.map(lambda a: Client(server.http_url).transcribe(wav(a[0], subtype="FLOAT"), *a[1:]),
+                               asks))
+    for (clip, language, task, budget), (text, tokens) in zip(asks, served):
+        assert tokens == reference(clip, language, task, budget)
+        assert text and len(tokens) <= budget
+    stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics("whisper")["model_stats"][0]
+    assert int(stats["execution_count"]) < int(stats["inference_count"])  # some requests ran in one batch
+
+
+@pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_24"), ("OGG", "VORBIS")])
+def test_audio_formats_at_other_rates(server, reference, fmt, subtype):
+    clip = RNG.uniform(-0.3, 0.3, 44100 * 3).astype(np.float32)
+    data = wav(np.stack([clip, clip[::-1]], axis=1), 44100, fmt, subtype)
+    _, tokens = Client(server.http_url).transcribe(data, "en", max_tokens=12)
+    assert tokens == reference(decode_audio(data), "en", max_new=12)
+
+
+def test_three_minutes_go_through_chunks(server, reference):
+    clip = RNG.normal(0, 0.1, 16000 * 180).astype(np.float32)
+    _, tokens = Client(server.http_url, timeout_s=300).transcribe(wav(clip, subtype="FLOAT"), "en", max_tokens=10)
+    chunks = split(clip)
+    assert len(chunks) == 9
+    assert tokens == merge([reference(chunk, "en", max_new=10) for chunk in chunks])
+
+
+def test_cli_transcribes_a_file(server, tmp_path, capsys):
+    from client.__main__ import main
+
+    path = tmp_path / "clip.wav"
+    sf.write(path, RNG.normal(0, 0.1, 16000 * 2).astype(np.float32), 16000)
+    assert main(["--url", server.http_url, "transcribe", str(path), "--language", "en", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def bad_cases() -> dict[str, tuple[bytes, dict, str]]:
+    from tests.unit.test_audio import silent_flac
+
+    good = wav(RNG.normal(0, 0.1, 16000).astype(np.float32))
+    return {
+        "not audio": (b"GIF89a not audio", {}, "not a readable audio file"),
+        "truncated header": (good[:20], {}, "not a readable audio file"),
+        "0 samples": (wav(np.zeros(0, dtype=np.float32)), {}, "no samples"),
+        "8 channels 96 kHz": (wav(RNG.normal(0, 0.1, (9600, 8)).astype(np.float32), 96000), {}, "8 channels"),
+        "2 hours": (silent_flac(7200), {}, "7200 s long"),
+        "NaN": (wav(np.full(1600, np.nan, dtype=np.float32), subtype="FLOAT"), {}, "NaN"),
+        "unknown language": (good, {"language": "xx"}, "unknown language"),
+        "bad task": (good, {"task": "summarize"}, "task must be one of"),
+        "max_tokens 0": (good, {"max_tokens": 0}, "max_tokens must be at least 1"),
+    }
+
+
+def test_bad_audio_is_invalid_arg_and_server_keeps_serving(server):
+    from tritonclient.utils import InferenceServerException
+
+    client = Client(server.http_url)
+    for name, (data, options, reason) in bad_cases().items():
+        with pytest.raises(InferenceServerException, match=reason) as error:
+            client.transcribe(data, **options)
+        assert "400" in str(error.value.status()) or "INVALID_ARG" in str(error.value.status()), name
+    text, tokens = client.transcribe(wav(RNG.normal(0, 0.1, 16000).astype(np.float32)), "en", max_tokens=4)
+    assert tokens and text

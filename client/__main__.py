@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         args.protocol = "grpc"  # decoupled models answer over gRPC streaming only
     url = args.url or ("localhost:8000" if args.protocol == "http" else "localhost:8001")
-    client = Client(url, args.protocol)
+    with Client(url, args.protocol) as client:
+        run(parser, args, client)
+    return 0
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Client) -> None:
     np.set_printoptions(precision=4, suppress=True)
     if args.command == "classify":
         for path, labels in zip(args.images, client.classify([p.read_bytes() for p in args.images], args.top_k)):
@@ -69,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         scores, probs = client.similarity(args.image.read_bytes(), args.texts)
         for text, score, prob in zip(args.texts, scores, probs):
             print(f"{prob:6.3f}  (logit {score:7.3f})  {text}")
-    return 0
 
 
 def _terminal_safe(text: str) -> str:

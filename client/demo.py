@@ -22,6 +22,17 @@ def sample_image(path: Path) -> Path:
     return path
 
 
+def sample_speech(path: Path) -> Path:
+    """Two seconds of a gliding tone with a little noise, as a WAV file (no downloads)."""
+    import numpy as np
+    import soundfile as sf
+
+    t = np.arange(32000) / 16000
+    tone = 0.3 * np.sin(2 * np.pi * (220 + 110 * t) * t) + 0.01 * np.random.default_rng(0).normal(size=t.size)
+    sf.write(path, tone.astype(np.float32), 16000)
+    return path
+
+
 def main() -> int:
     ports = {k: int(os.environ.get(k, d)) for k, d in (("HTTP_PORT", 8000), ("GRPC_PORT", 8001), ("METRICS_PORT", 8002))}
     with tempfile.TemporaryDirectory() as tmp, TritonServer(
@@ -36,6 +47,8 @@ def main() -> int:
                                             "a photo of a dog", "a red car", "a tree on grass"]),
             ("generation (llm, gRPC streaming)", ["--url", server.grpc_url, "generate", "a photo of the cat",
                                                   "--max-tokens", "24", "--stream"]),
+            ("speech recognition (whisper, HTTP)", ["--url", server.http_url, "transcribe",
+                                                    str(sample_speech(Path(tmp) / "tone.wav")), "--max-tokens", "16"]),
         ]
         for title, args in steps:
             print(f"\n== {title}: python -m client {' '.join(args)}", flush=True)

@@ -103,6 +103,12 @@ class Client:
     def close(self) -> None:
         self.triton.close()
 
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # an open keep-alive connection holds Triton's shutdown for its whole exit timeout
+
 
 # optional generation inputs and their dtypes (tensorrtllm_backend names; see backends/generation.py)
 GENERATION_OPTIONAL = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "seed": np.int64,

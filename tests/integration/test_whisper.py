@@ -42,13 +42,18 @@ def test_concurrent_requests_equal_transformers(server, reference):
                                                                                                     14))]
     asks = [(clip, ("en", None, "de")[i % 3], ("transcribe", "translate")[i % 2], 8 + 3 * i)
             for i, clip in enumerate(clips)]
-    with ThreadPoolExecutor(len(asks)) as pool:  # one HTTP client per thread: they are not thread-safe
-        served = list(pool.map(lambda a: Client(server.http_url).transcribe(wav(a[0], subtype="FLOAT"), *a[1:]),
-                               asks))
+    def one(ask) -> tuple[str, list[int]]:
+        with Client(server.http_url) as client:  # one HTTP client per thread: they are not thread-safe
+            return client.transcribe(wav(ask[0], subtype="FLOAT"), *ask[1:])
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        served = list(pool.map(one, asks))
     for (clip, language, task, budget), (text, tokens) in zip(asks, served):
         assert tokens == reference(clip, language, task, budget)
         assert text and len(tokens) <= budget
-    stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics("whisper")["model_stats"][0]
+    triton = httpclient.InferenceServerClient(server.http_url)
+    stats = triton.get_inference_statistics("whisper")["model_stats"][0]
+    triton.close()
     assert int(stats["execution_count"]) < int(stats["inference_count"])  # some requests ran in one batch
 
 
@@ -56,13 +61,15 @@ def test_concurrent_requests_equal_transformers(server, reference):
 def test_audio_formats_at_other_rates(server, reference, fmt, subtype):
     clip = RNG.uniform(-0.3, 0.3, 44100 * 3).astype(np.float32)
     data = wav(np.stack([clip, clip[::-1]], axis=1), 44100, fmt, subtype)
-    _, tokens = Client(server.http_url).transcribe(data, "en", max_tokens=12)
+    with Client(server.http_url) as client:
+        _, tokens = client.transcribe(data, "en", max_tokens=12)
     assert tokens == reference(decode_audio(data), "en", max_new=12)
 
 
 def test_three_minutes_go_through_chunks(server, reference):
     clip = RNG.normal(0, 0.1, 16000 * 180).astype(np.float32)
-    _, tokens = Client(server.http_url, timeout_s=300).transcribe(wav(clip, subtype="FLOAT"), "en", max_tokens=10)
+    with Client(server.http_url, timeout_s=300) as client:
+        _, tokens = client.transcribe(wav(clip, subtype="FLOAT"), "en", max_tokens=10)
     chunks = split(clip)
     assert len(chunks) == 9
     assert tokens == merge([reference(chunk, "en", max_new=10) for chunk in chunks])
@@ -97,10 +104,10 @@ def bad_cases() -> dict[str, tuple[bytes, dict, str]]:
 def test_bad_audio_is_invalid_arg_and_server_keeps_serving(server):
     from tritonclient.utils import InferenceServerException
 
-    client = Client(server.http_url)
-    for name, (data, options, reason) in bad_cases().items():
-        with pytest.raises(InferenceServerException, match=reason) as error:
-            client.transcribe(data, **options)
-        assert "400" in str(error.value.status()) or "INVALID_ARG" in str(error.value.status()), name
-    text, tokens = client.transcribe(wav(RNG.normal(0, 0.1, 16000).astype(np.float32)), "en", max_tokens=4)
+    with Client(server.http_url) as client:
+        for name, (data, options, reason) in bad_cases().items():
+            with pytest.raises(InferenceServerException, match=reason) as error:
+                client.transcribe(data, **options)
+            assert "400" in str(error.value.status()), name
+        text, tokens = client.transcribe(wav(RNG.normal(0, 0.1, 16000).astype(np.float32)), "en", max_tokens=4)
     assert tokens and text

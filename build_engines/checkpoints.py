@@ -251,9 +251,10 @@ def whisper_tokenizer():
 
 
 def tiny_whisper(out: Path, num_mel_bins: int = 80, d_model: int = 64, layers: int = 2, heads: int = 4,
-                 ffn: int = 128) -> Path:
+                 ffn: int = 128, decoder_std: float | None = 0.2, half: bool = False) -> Path:
     """A multilingual Whisper of the real architecture (80 or 128 mel bins, 1500 encoder positions = 30 s), the
-    tokenizer above and a generation config like the released checkpoints' (languages, tasks, suppressed tokens)."""
+    tokenizer above and a generation config like the released checkpoints' (languages, tasks, suppressed tokens).
+    `decoder_std` None keeps transformers' initialisation (real-size presets); `half` saves fp16 weights."""
     import torch
     from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
                               WhisperForConditionalGeneration)
@@ -272,13 +273,16 @@ def tiny_whisper(out: Path, num_mel_bins: int = 80, d_model: int = 64, layers: i
                            bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, suppress_tokens=suppress,
                            begin_suppress_tokens=begin_suppress)
     model = WhisperForConditionalGeneration(config)
-    with torch.no_grad():  # as tiny_llm: larger decoder weights, so greedy text varies ...
-        for name, param in model.named_parameters():
-            if param.dim() == 2 and "decoder" in name:
-                param.normal_(0, 0.2)
-        # ... but small embeddings (= output rows, they are tied) for the special tokens after <|endoftext|>, so
-        # text tokens and the end win the argmax as in a trained model, not the 1501 timestamps
-        model.model.decoder.embed_tokens.weight[eot + 1:].normal_(0, 0.02)
+    if decoder_std is not None:
+        with torch.no_grad():  # as tiny_llm: larger decoder weights, so greedy text varies ...
+            for name, param in model.named_parameters():
+                if param.dim() == 2 and "decoder" in name:
+                    param.normal_(0, decoder_std)
+            # ... but small embeddings (= output rows, they are tied) for the special tokens after <|endoftext|>,
+            # so text tokens and the end win the argmax as in a trained model, not the 1501 timestamps
+            model.model.decoder.embed_tokens.weight[eot + 1:].normal_(0, 0.02)
+    if half:
+        model = model.half()
     model.generation_config = GenerationConfig(
         decoder_start_token_id=sot, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, max_length=448,
         is_multilingual=True, lang_to_id={f"<|{c}|>": ids(f"<|{c}|>") for c in LANGUAGES},
@@ -302,6 +306,8 @@ RANDOM_INIT = {
         tiny_clip, text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
         vision=CLIP_VIT_L14_336, projection_dim=768)),
     "llava-next-8b": ("vlm", random_llava_next),  # CLIP ViT-L/14-336 + Llama-3-8B shapes, LLaVA-1.6 grid
+    "whisper-large-v3": ("whisper", partial(tiny_whisper, num_mel_bins=128, d_model=1280, layers=32, heads=20,
+                                            ffn=5120, decoder_std=None, half=True)),
 }
 
 

@@ -7,7 +7,8 @@
 #   PYTHON (python3)  WORK (/tmp/triton-multimodal-bench)  HOST (gpu)  MODELS ("vit clip_vision")
 #   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
 #   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
-#   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16)
+#   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
+#   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -81,5 +82,13 @@ if [[ " ${SCENARIOS:-images} " == *" vlm "* ]]; then
 from perf.report import hardware_line; \
 served_vlm_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], hardware_line('2.51.0'))" \
     "$results" "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
+  if [ "${TINY:-0}" = 1 ]; then
+    "${build[@]}" whisper --tiny
+  else  # Whisper large-v3 shapes (32 + 32 layers x 1280, 128 mel bins), random fp16 weights
+    "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
+  fi
+  "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -3,7 +3,7 @@
 #   triton/        tritonserver 2.51 (nvidia-pytriton's build) with only the python backend and the stub for
 #                  BUNDLE_PYTHON, and the libraries it links (the wheel's libpython copy left out)
 #   perf_analyzer/ the binary with libb64 and libcudart.so.12
-#   wheels/        what such hosts lack: numpy<2 (the 2.51 stub needs it), tritonclient and its gRPC needs
+#   wheels/        what such hosts lack: numpy<2 (the 2.51 stub needs it), tritonclient and its gRPC needs, audio I/O
 #   project/       the tracked files of this working tree
 # Engines are not included: their configs name host paths, and real-size weights need not travel; the host builds
 # them (build_engines --random-init). Output: dist/triton-multimodal-bundle-py$BUNDLE_PYTHON.tar.xz
@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 PY="${BUNDLE_PYTHON:-3.12}"
 VENV="${VENV:-.venv}"
 SITE="$(echo "$VENV"/lib/python3*/site-packages)"
-WHEELS=(numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.81.1 protobuf==6.33.6)
+WHEELS=(numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.81.1 protobuf==6.33.6
+        soundfile==0.14.0 soxr==1.1.0 cffi==2.1.1 pycparser==3.12)  # audio: libsndfile, soxr (not on GPU hosts)
 OUT="dist/triton-multimodal-bundle-py$PY.tar.xz"
 
 stage="$(mktemp -d)"

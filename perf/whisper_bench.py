@@ -1,0 +1,133 @@
+"""Whisper throughput: clips/s and audio seconds per second (real-time factor) vs concurrency through the served
+`whisper` (perf_analyzer over gRPC, Triton's dynamic batcher), beside the in-process engine on the same clips in
+the same run.
+
+python -m perf.whisper_bench [--repository model_repository] [--concurrency 1 4 16] [--host NAME]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from backends.audio import decode_audio
+from backends.server import TritonServer, free_port
+from perf.analyzer import UnstableMeasurement, run_perf_analyzer
+from perf.gpu import GpuUtilization
+from perf.inputs import bytes_entry
+from perf.report import hardware_line, write_table
+
+# (seconds, max_tokens): about 3 tokens per second of speech, so the decoder does what real speech would ask of it
+CLIPS = [(5.0, 16), (12.0, 36), (28.0, 84)]
+
+
+def speech_like(seconds: float, seed: int, rate: int = 16000) -> bytes:
+    """16-bit WAV of noise shaped by a 4 Hz syllable-rate envelope (random noise alone has no pauses)."""
+    import soundfile as sf
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    envelope = 0.5 * (1 + np.sin(2 * np.pi * 4 * t + rng.uniform(0, 6.28))) * (rng.uniform(size=t.size) > 0.001)
+    out = io.BytesIO()
+    sf.write(out, (0.2 * envelope * rng.normal(size=t.size)).astype(np.float32), rate, format="WAV",
+             subtype="PCM_16")
+    return out.getvalue()
+
+
+def clips() -> list[tuple[bytes, float, int]]:
+    return [(speech_like(seconds, seed), seconds, tokens) for seed, (seconds, tokens) in enumerate(CLIPS)]
+
+
+def write_input_data(path: Path, items: list[tuple[bytes, float, int]]) -> Path:
+    """perf_analyzer steps: audio, language en, the clip's token budget; it cycles through them."""
+    path.write_text(json.dumps({"data": [
+        {"audio": bytes_entry(audio), "language": bytes_entry(b"en"), "max_tokens": {"content": [tokens],
+                                                                                     "shape": [1]}}
+        for audio, _, tokens in items]}))
+    return path
+
+
+def in_process(folder: Path, items: list[tuple[bytes, float, int]], batch: int, dtype: str,
+               device: str, rounds: int = 3) -> float:
+    """Clips/s of the engine alone: decode + resample + features + encoder + greedy decoding, `batch` clips per
+    call (the clips cycled), after one warm-up call."""
+    from backends.whisper.engine import WhisperEngine
+
+    engine = WhisperEngine(folder, dtype, device)
+    chosen = [items[i % len(items)] for i in range(batch)]
+
+    def run():
+        audios = [decode_audio(audio) for audio, _, _ in chosen]
+        engine.transcribe(audios, ["en"] * batch, ["transcribe"] * batch, [tokens for _, _, tokens in chosen])
+
+    run()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        run()
+    return rounds * batch / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.whisper_bench", description=__doc__)
+    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default=socket.gethostname())
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--interval-ms", type=int, default=4000)
+    args = parser.parse_args(argv)
+    items = clips()
+    mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
+    folder = args.repository / "whisper" / "1"
+    engine_meta = json.loads((folder / "engine.json").read_text())
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory() as tmp_name, TritonServer(
+            args.repository, free_port(), free_port(), free_port(), Path("logs/bench-whisper.log"),
+            model_control="explicit", load_models=["whisper"]) as server:
+        tmp = Path(tmp_name)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        version = client.get_server_metadata(as_json=True)["version"]
+        config = client.get_model_config("whisper", as_json=True)["config"]
+        client.close()
+        device = "cuda" if config["instance_group"][0]["kind"] == "KIND_GPU" else "cpu"
+        data = write_input_data(tmp / "whisper.json", items)
+        for concurrency in args.concurrency:
+            try:
+                with GpuUtilization(server.metrics_url) as gpu:
+                    (point,) = run_perf_analyzer("whisper", server.grpc_url, data, tmp / f"c{concurrency}.csv",
+                                                 concurrency=str(concurrency), interval_ms=args.interval_ms)
+            except UnstableMeasurement:
+                notes.append(f"concurrency {concurrency}: perf_analyzer found no stable measurement; left out.")
+                continue
+            rows.append([f"Triton, concurrency {concurrency}", point.throughput, point.throughput * mean_seconds,
+                         point.p50_us / 1e3, point.p99_us / 1e3,
+                         "-" if gpu.mean is None else f"{100 * gpu.mean:.0f}%"])
+            print(rows[-1], flush=True)
+    hardware = hardware_line(version)
+    batch = max(args.concurrency)
+    rate = in_process(folder, items, batch, engine_meta["precision"], device)
+    rows.append([f"in-process engine, batch {batch}", rate, rate * mean_seconds, "-", "-", "-"])
+    best = max(r[1] for r in rows[:-1]) if len(rows) > 1 else float("nan")
+    notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
+             f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "
+             "second of speech) in English. Audio s/s = clips/s x the mean clip length "
+             f"({mean_seconds:g} s): the real-time factor's inverse (RTFx).",
+             f"Model: {config['parameters'].get('dtype', {}).get('string_value', '?')} weights from "
+             f"{Path(engine_meta['checkpoint']).name}, device {device}; Triton batches up to "
+             f"{config.get('max_batch_size')} requests (dynamic batching).",
+             f"In-process: the same engine, {batch} clips per call (decode, resample, features, encoder, greedy "
+             f"decoding), in this process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
+             *notes]
+    header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util"]
+    print(write_table(args.results / args.host, "whisper-throughput", header, rows, hardware, notes), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

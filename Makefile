@@ -29,6 +29,7 @@ test-unit: setup
 bench: engines genai-perf  ## perf scenarios (perf/) and the in-process LLM engine benchmark
 	$(PY) -m perf
 	$(PY) -m perf.llm_engine
+	$(PY) -m perf.whisper_bench
 
 bundle: setup     ## dist/*.tar.xz for an offline GPU host (BUNDLE_PYTHON=3.12); perf/gpu_bench.sh runs it there
 	bash scripts/bundle.sh

@@ -50,13 +50,9 @@ def tiny_clip_tokenizer(model_max_length: int = 77):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
-def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|begin_of_text|>", "<|end_of_text|>"),
-                         add_bos: bool = False):
-    """A GPT-2/Llama-3-style byte-level BPE fast tokenizer: every byte is a token, plus one merged token per word in
-    `words` (with its leading space, as byte-level BPE spells words). With no words, N bytes are exactly N tokens.
-    `add_bos` prepends the first special token to every encoding, as Llama 3's tokenizer does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+def byte_bpe(words) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE vocabulary and merges: every byte, plus one token per word (with its leading space, as
+    byte-level BPE spells words), merged left to right."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_chars = bytes_to_unicode()
@@ -69,6 +65,18 @@ def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|
             merges.append((left, ch))
             vocab.setdefault(left + ch, len(vocab))
             left += ch
+    return vocab, merges
+
+
+def byte_level_tokenizer(words: list[str] = (), specials: tuple[str, str] = ("<|begin_of_text|>", "<|end_of_text|>"),
+                         add_bos: bool = False):
+    """A GPT-2/Llama-3-style byte-level BPE fast tokenizer: every byte is a token, plus one merged token per word in
+    `words` (with its leading space, as byte-level BPE spells words). With no words, N bytes are exactly N tokens.
+    `add_bos` prepends the first special token to every encoding, as Llama 3's tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = byte_bpe(words)
     for special in specials:
         vocab[special] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -228,19 +236,9 @@ def whisper_tokenizer():
     """A real WhisperTokenizer: byte-level BPE (with the tiny word merges), then Whisper's special tokens in the
     real vocabulary's order: end of text, start of transcript, 100 languages, tasks, ..., 1501 timestamps."""
     from transformers import WhisperTokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
-    byte_chars = bytes_to_unicode()
-    vocab = {c: i for i, c in enumerate(byte_chars.values())}
-    merges = []
-    for word in TINY_LLM_WORDS:
-        spelled = "".join(byte_chars[b] for b in (" " + word).encode())
-        left = spelled[0]
-        for ch in spelled[1:]:
-            merges.append((left, ch))
-            vocab.setdefault(left + ch, len(vocab))
-            left += ch
+    vocab, merges = byte_bpe(TINY_LLM_WORDS)
     vocab["<|endoftext|>"] = len(vocab)
     specials = ["<|startoftranscript|>", *(f"<|{code}|>" for code in LANGUAGES), "<|translate|>", "<|transcribe|>",
                 "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>",

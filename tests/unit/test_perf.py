@@ -132,3 +132,20 @@ def test_gpu_utilisation_is_read_from_server_metrics():
     finally:
         server.shutdown()
     assert server_gpu_utilization("http://127.0.0.1:9/metrics") is None  # nothing listening
+
+
+def test_whisper_bench_inputs_are_real_audio_with_their_token_budget(tmp_path):
+    import base64
+    import json
+
+    from backends.audio import decode_audio
+    from perf.whisper_bench import CLIPS, clips, write_input_data
+
+    items = clips()
+    data = json.loads(write_input_data(tmp_path / "w.json", items).read_text())["data"]
+    assert [step["max_tokens"] for step in data] == [{"content": [n], "shape": [1]} for _, n in CLIPS]
+    for step, (seconds, _) in zip(data, CLIPS):
+        raw = base64.b64decode(step["audio"]["b64"])
+        assert int.from_bytes(raw[:4], "little") == len(raw) - 4  # Triton's BYTES layout: length, then the file
+        assert len(decode_audio(raw[4:])) == int(seconds * 16000)
+        assert base64.b64decode(step["language"]["b64"])[4:] == b"en"

@@ -97,4 +97,4 @@ class VLMTritonModel(LLMTritonModel):
 
     def finalize(self) -> None:
         super().finalize()
-        self.pool.shutdown()
+        self.pool.shutdown(wait=False, cancel_futures=True)  # an image still decoding must not hold the unload

@@ -293,8 +293,28 @@ def tiny_whisper(out: Path, num_mel_bins: int = 80, d_model: int = 64, layers: i
     return out
 
 
+def tiny_sam(out: Path, hidden: int = 32, layers: int = 2, heads: int = 2, channels: int = 32) -> Path:
+    """SAM's real layout (1024 px input, 16 px patches -> a 64 x 64 embedding, 256 x 256 low-res masks) with a
+    tiny ViT, prompt encoder and mask decoder, and the SamProcessor that goes with it."""
+    import torch
+    from transformers import (SamConfig, SamImageProcessorPil, SamMaskDecoderConfig, SamModel, SamProcessor,
+                              SamPromptEncoderConfig, SamVisionConfig)
+
+    torch.manual_seed(0)
+    config = SamConfig(
+        vision_config=SamVisionConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                      output_channels=channels, mlp_dim=2 * hidden, global_attn_indexes=[1],
+                                      num_pos_feats=channels // 2),
+        prompt_encoder_config=SamPromptEncoderConfig(hidden_size=channels),
+        mask_decoder_config=SamMaskDecoderConfig(hidden_size=channels, mlp_dim=2 * channels, num_attention_heads=2,
+                                                 iou_head_hidden_dim=channels))
+    SamModel(config).save_pretrained(out)
+    SamProcessor(image_processor=SamImageProcessorPil()).save_pretrained(out)
+    return out
+
+
 TINY_BUILDERS = {"vit": tiny_vit, "clip": tiny_clip, "llm": tiny_llm, "qwen2": tiny_qwen2,
-                 "llava_next": tiny_llava_next, "whisper": tiny_whisper}
+                 "llava_next": tiny_llava_next, "whisper": tiny_whisper, "sam": tiny_sam}
 
 # Real-size architectures with random weights, for GPU benchmarks: preset -> (model family, builder)
 RANDOM_INIT = {

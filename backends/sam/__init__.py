@@ -1,0 +1,1 @@
+"""SAM promptable segmentation: cached image embeddings, prompts -> masks at the original image size."""

@@ -465,7 +465,35 @@ def verify_whisper(checkpoint: Path, seconds=(2.0, 9.0), tokens: int = 12) -> No
             raise VerificationError(f"whisper greedy tokens differ from transformers: {result.tokens} vs {expected}")
 
 
+SAM_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "preprocessor_config.json",
+             "processor_config.json")
+
+
+def build_sam(opts: BuildOptions) -> None:
+    """The `sam` model from a Hugging Face SAM checkpoint (transformers' SamModel run by backends/sam, with the
+    image embedding cached per image): files linked or copied into model_repository/sam/1, config written."""
+    if opts.runtime != "torch":
+        raise RuntimeError(f"sam runs on PyTorch (--runtime torch), not --runtime {opts.runtime}")
+    if up_to_date(opts, ["sam"]):
+        print("sam: up to date")
+        return
+    version_dir = opts.repository / "sam" / "1"
+    place_checkpoint(opts.checkpoint, version_dir, SAM_FILES)
+    params = {k: v for k, v in common_parameters(opts).items() if k not in ("runtime", "prepare_threads")}
+    params.update(dtype=opts.precision, embedding_cache_mb="1024")
+    write_model(opts.repository, PythonModelConfig(
+        "sam", [Tensor("image", "BYTES", [1]), Tensor("point_coords", "FP32", [-1, 2], optional=True),
+                Tensor("point_labels", "INT32", [-1], optional=True), Tensor("boxes", "FP32", [-1, 4], optional=True),
+                Tensor("multimask_output", "BOOL", [1], optional=True)],
+        [Tensor("masks", "BOOL", [-1, -1, -1]), Tensor("iou_scores", "FP32", [-1]),
+         Tensor("low_res_logits", "FP32", [-1, 256, 256])],
+        max_batch_size=0, max_queue_delay_us=None, instances=1, kind=instance_kind(opts), parameters=params))
+    write_engine_metadata(version_dir, runtime="torch", precision=opts.precision, fingerprint=opts.fingerprint("sam"),
+                          checkpoint=str(opts.checkpoint.resolve()))
+    print(f"sam: {opts.checkpoint} ({opts.precision})")
+
+
 FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres, "vlm": build_vlm,
-            "whisper": build_whisper}
+            "whisper": build_whisper, "sam": build_sam}
 DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch", "vlm": "torch",
-                   "whisper": "torch"}
+                   "whisper": "torch", "sam": "torch"}

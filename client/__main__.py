@@ -1,4 +1,4 @@
-"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity,generate,transcribe} ..."""
+"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity,generate,transcribe,segment} ..."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     transcribe.add_argument("--language", help="language code, e.g. en (default: detected)")
     transcribe.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     transcribe.add_argument("--max-tokens", type=int)
+    segment = sub.add_parser("segment", help="mask for a click or box with the sam model, as a PNG overlay")
+    segment.add_argument("image", type=Path)
+    segment.add_argument("--point", action="append", default=[], help="x,y on the object (repeatable)")
+    segment.add_argument("--background", action="append", default=[], help="x,y not on the object (repeatable)")
+    segment.add_argument("--box", help="x0,y0,x1,y1 around the object")
+    segment.add_argument("--out", type=Path, help="overlay PNG (default: IMAGE.mask.png)")
     args = parser.parse_args(argv)
     if args.command == "generate":
         args.protocol = "grpc"  # decoupled models answer over gRPC streaming only
@@ -67,6 +73,18 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
         for delta in client.generate(args.prompt, args.max_tokens, stream=args.stream, **optional):
             print(_terminal_safe(delta), end="", flush=True)
         print()
+    elif args.command == "segment":
+        points = [_floats(p, 2) for p in args.point + args.background]
+        labels = [1] * len(args.point) + [0] * len(args.background)
+        if not points and not args.box:
+            parser.error("segment needs --point, --background or --box")
+        data = args.image.read_bytes()
+        masks, scores = client.segment(data, points, labels, _floats(args.box, 4) if args.box else None)
+        best = int(np.argmax(scores))
+        out = args.out or args.image.with_suffix(".mask.png")
+        overlay(data, masks[best]).save(out)
+        print(f"{out}: mask {best} of {len(scores)} (IoU score {scores[best]:.3f}), "
+              f"{int(masks[best].sum())} pixels")
     elif args.command == "transcribe":
         text, _ = client.transcribe(args.audio.read_bytes(), args.language, args.task, args.max_tokens)
         print(_terminal_safe(text))
@@ -74,6 +92,24 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
         scores, probs = client.similarity(args.image.read_bytes(), args.texts)
         for text, score, prob in zip(args.texts, scores, probs):
             print(f"{prob:6.3f}  (logit {score:7.3f})  {text}")
+
+
+def _floats(text: str, count: int) -> tuple[float, ...]:
+    values = tuple(float(v) for v in text.split(","))
+    if len(values) != count:
+        raise SystemExit(f"expected {count} comma-separated numbers, got {text!r}")
+    return values
+
+
+def overlay(image: bytes, mask: np.ndarray, color=(255, 40, 120), alpha: float = 0.5):
+    """The image with the mask tinted in (EXIF orientation applied, as the server saw it)."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    base = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(image))).convert("RGB"), dtype=np.float32)
+    base[mask] = (1 - alpha) * base[mask] + alpha * np.array(color, dtype=np.float32)
+    return Image.fromarray(base.astype(np.uint8))
 
 
 def _terminal_safe(text: str) -> str:

@@ -49,6 +49,8 @@ def main() -> int:
                                                   "--max-tokens", "24", "--stream"]),
             ("speech recognition (whisper, HTTP)", ["--url", server.http_url, "transcribe",
                                                     str(sample_speech(Path(tmp) / "tone.wav")), "--max-tokens", "16"]),
+            ("segmentation (sam, HTTP; writes a PNG overlay)", ["--url", server.http_url, "segment", str(image),
+                                                               "--point", "240,180"]),
         ]
         for title, args in steps:
             print(f"\n== {title}: python -m client {' '.join(args)}", flush=True)

@@ -77,6 +77,20 @@ class Client:
         out = self.infer("whisper", inputs, ["text", "tokens"])
         return out["text"].reshape(-1)[0].decode(), out["tokens"].reshape(-1).tolist()
 
+    def segment(self, image: bytes, points: list[tuple[float, float]] = (), labels: list[int] = (),
+                box: tuple[float, float, float, float] | None = None, multimask: bool = True
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(masks bool [K, H, W], iou_scores [K]) from `sam` for one prompt: points (x, y) with labels (1 object,
+        0 background) and/or one box (x0, y0, x1, y1)."""
+        inputs = {"image": np.array([image], dtype=object), "multimask_output": np.array([multimask])}
+        if points:
+            inputs["point_coords"] = np.array(points, dtype=np.float32).reshape(-1, 2)
+            inputs["point_labels"] = np.array(labels, dtype=np.int32)
+        if box is not None:
+            inputs["boxes"] = np.array([box], dtype=np.float32)
+        out = self.infer("sam", inputs, ["masks", "iou_scores"])
+        return out["masks"], out["iou_scores"]
+
     def generate(self, prompt: str, max_tokens: int = 64, stream: bool = True, model: str = "llm",
                  timeout_s: float = 300.0, **optional) -> Iterator[str]:
         """Text from a decoupled generating model over gRPC streaming: deltas as they arrive (stream=True) or the

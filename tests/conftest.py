@@ -64,11 +64,17 @@ def wav(samples: np.ndarray, rate: int = 16000, fmt: str = "WAV", subtype: str |
 
 
 @pytest.fixture(scope="session")
-def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint, whisper_checkpoint) -> Path:
+def sam_checkpoint() -> Path:
+    return tiny_checkpoint("sam", ROOT / ".checkpoints")
+
+
+@pytest.fixture(scope="session")
+def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint, whisper_checkpoint,
+               sam_checkpoint) -> Path:
     """The default tiny engines in model_repository/ (built once; skipped when up to date)."""
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint), ("llm", llm_checkpoint),
                                ("anyres", llava_checkpoint), ("vlm", llava_checkpoint),
-                               ("whisper", whisper_checkpoint)):
+                               ("whisper", whisper_checkpoint), ("sam", sam_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
     return REPOSITORY
 

@@ -1,0 +1,69 @@
+"""The served `sam` against SamModel + SamProcessor on the same tiny checkpoint, its embedding cache seen through
+the server's metrics (a second prompt on the same image is a hit and runs no encoder), the CLI's overlay, and bad
+prompts refused with the reason while the server keeps serving."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from tritonclient.utils import InferenceServerException
+
+from client.sdk import Client
+from tests.conftest import encode, random_image
+from tests.integration.test_llm import metric
+from tests.unit.test_sam import reference
+
+IMAGE = encode(random_image(640, 480, seed=9), "JPEG")
+
+
+def cache(server, name: str) -> float:
+    return metric(server, f"sam_embedding_cache_{name}_total", model="sam")
+
+
+def test_served_masks_equal_reference_and_second_click_hits_the_cache(server, sam_checkpoint):
+    with Client(server.http_url) as client:
+        hits, misses = cache(server, "hits"), cache(server, "misses")
+        masks, scores = client.segment(IMAGE, [(320.0, 240.0)], [1])
+        expected_masks, expected_scores = reference(sam_checkpoint, IMAGE, np.array([[320.0, 240.0]]), np.array([1]))
+        assert masks.shape == expected_masks.shape == (3, 480, 640) and masks.dtype == bool
+        for got, want in zip(masks, expected_masks):
+            assert (got & want).sum() / max((got | want).sum(), 1) >= 0.99
+        np.testing.assert_allclose(scores, expected_scores, atol=1e-3)
+        assert (cache(server, "misses"), cache(server, "hits")) == (misses + 1, hits)
+        masks, _ = client.segment(IMAGE, [(100.0, 50.0), (600.0, 400.0)], [1, 0], multimask=False)
+        assert masks.shape == (1, 480, 640)
+        assert (cache(server, "misses"), cache(server, "hits")) == (misses + 1, hits + 1)
+
+
+def test_cli_writes_an_overlay(server, tmp_path, capsys):
+    from client.__main__ import main
+
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(IMAGE)
+    assert main(["--url", server.http_url, "segment", str(path), "--point", "320,240", "--box", "10,10,600,400"]) == 0
+    overlay = Image.open(tmp_path / "photo.mask.png")
+    assert overlay.size == (640, 480) and "IoU score" in capsys.readouterr().out
+    assert np.asarray(overlay).astype(int).sum() != np.asarray(Image.open(io.BytesIO(IMAGE))).astype(int).sum()
+
+
+BAD = {
+    "no prompt": ({}, "at least one point"),
+    "outside": ({"points": [(700.0, 10.0)], "labels": [1]}, "outside the 640x480 image"),
+    "10000 points": ({"points": [(5.0, 5.0)] * 10000, "labels": [1] * 10000}, "between 1 and 64"),
+    "label 2": ({"points": [(5.0, 5.0)], "labels": [2]}, "0 \\(background\\) or 1"),
+    "lengths differ": ({"points": [(5.0, 5.0), (6.0, 6.0)], "labels": [1]}, "point_labels \\[N\\]"),
+}
+
+
+def test_bad_prompts_are_invalid_arg_and_server_keeps_serving(server):
+    with Client(server.http_url) as client:
+        for name, (prompt, reason) in BAD.items():
+            with pytest.raises(InferenceServerException, match=reason) as error:
+                client.segment(IMAGE, **prompt)
+            assert "400" in str(error.value.status()), name
+        with pytest.raises(InferenceServerException, match="not a known image format"):
+            client.segment(b"corrupt", [(1.0, 1.0)], [1])
+        masks, _ = client.segment(IMAGE, [(10.0, 10.0)], [1])
+    assert masks.shape[1:] == (480, 640)

@@ -30,6 +30,7 @@ bench: engines genai-perf  ## perf scenarios (perf/) and the in-process LLM engi
 	$(PY) -m perf
 	$(PY) -m perf.llm_engine
 	$(PY) -m perf.whisper_bench
+	$(PY) -m perf.sam_bench --concurrency 1 4
 
 bundle: setup     ## dist/*.tar.xz for an offline GPU host (BUNDLE_PYTHON=3.12); perf/gpu_bench.sh runs it there
 	bash scripts/bundle.sh

@@ -293,9 +293,11 @@ def tiny_whisper(out: Path, num_mel_bins: int = 80, d_model: int = 64, layers: i
     return out
 
 
-def tiny_sam(out: Path, hidden: int = 32, layers: int = 2, heads: int = 2, channels: int = 32) -> Path:
+def tiny_sam(out: Path, hidden: int = 32, layers: int = 2, heads: int = 2, channels: int = 32,
+             global_attn: tuple[int, ...] = (1,), vit_mlp: int = 64, decoder_mlp: int = 64, decoder_heads: int = 2,
+             half: bool = False) -> Path:
     """SAM's real layout (1024 px input, 16 px patches -> a 64 x 64 embedding, 256 x 256 low-res masks) with a
-    tiny ViT, prompt encoder and mask decoder, and the SamProcessor that goes with it."""
+    tiny ViT, prompt encoder and mask decoder (or real sizes, see RANDOM_INIT), and its SamProcessor."""
     import torch
     from transformers import (SamConfig, SamImageProcessorPil, SamMaskDecoderConfig, SamModel, SamProcessor,
                               SamPromptEncoderConfig, SamVisionConfig)
@@ -303,12 +305,13 @@ def tiny_sam(out: Path, hidden: int = 32, layers: int = 2, heads: int = 2, chann
     torch.manual_seed(0)
     config = SamConfig(
         vision_config=SamVisionConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                                      output_channels=channels, mlp_dim=2 * hidden, global_attn_indexes=[1],
-                                      num_pos_feats=channels // 2),
+                                      output_channels=channels, mlp_dim=vit_mlp,
+                                      global_attn_indexes=list(global_attn), num_pos_feats=channels // 2),
         prompt_encoder_config=SamPromptEncoderConfig(hidden_size=channels),
-        mask_decoder_config=SamMaskDecoderConfig(hidden_size=channels, mlp_dim=2 * channels, num_attention_heads=2,
-                                                 iou_head_hidden_dim=channels))
-    SamModel(config).save_pretrained(out)
+        mask_decoder_config=SamMaskDecoderConfig(hidden_size=channels, mlp_dim=decoder_mlp,
+                                                 num_attention_heads=decoder_heads, iou_head_hidden_dim=channels))
+    model = SamModel(config)
+    (model.to(torch.bfloat16) if half else model).save_pretrained(out)
     SamProcessor(image_processor=SamImageProcessorPil()).save_pretrained(out)
     return out
 
@@ -324,6 +327,9 @@ RANDOM_INIT = {
         tiny_clip, text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
         vision=CLIP_VIT_L14_336, projection_dim=768)),
     "llava-next-8b": ("vlm", random_llava_next),  # CLIP ViT-L/14-336 + Llama-3-8B shapes, LLaVA-1.6 grid
+    "sam-vit-h": ("sam", partial(tiny_sam, hidden=1280, layers=32, heads=16, channels=256,
+                                 global_attn=(7, 15, 23, 31), vit_mlp=5120, decoder_mlp=2048, decoder_heads=8,
+                                 half=True)),
     "whisper-large-v3": ("whisper", partial(tiny_whisper, num_mel_bins=128, d_model=1280, layers=32, heads=20,
                                             ffn=5120, decoder_std=None, half=True)),
 }

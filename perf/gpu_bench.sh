@@ -8,7 +8,8 @@
 #   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
 #   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
 #   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
-#   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16)
+#   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16;
+#   "sam": encoder and decoder requests/s vs concurrency of the served sam, ViT-H shapes, random bf16)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -90,5 +91,13 @@ if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
     "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
   fi
   "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" sam "* ]]; then
+  if [ "${TINY:-0}" = 1 ]; then
+    "${build[@]}" sam --tiny
+  else  # SAM ViT-H shapes (32 layers x 1280, 256-channel neck and decoder), random bf16 weights
+    "${build[@]}" sam --random-init sam-vit-h --precision bf16 --device cuda
+  fi
+  "$py" -m perf.sam_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -53,6 +53,9 @@ class SamTritonModel:
                 responses.append(self.respond(request))
             except InvalidInput as e:
                 responses.append(pb.InferenceResponse(error=pb.TritonError(str(e), pb.TritonError.INVALID_ARG)))
+            except Exception as e:  # a model failure fails this request, never the server
+                responses.append(pb.InferenceResponse(error=pb.TritonError(
+                    f"segmentation failed: {type(e).__name__}: {e}", pb.TritonError.INTERNAL)))
         cache = self.engine.cache
         for name, total in (("hits", cache.hits), ("misses", cache.misses), ("evictions", cache.evictions)):
             self.counters[name].increment(total - self.reported[name])

@@ -41,6 +41,11 @@ def route_logs_to_triton(pb) -> None:
         package.setLevel(logging.INFO)
 
 
+def instance_device(args: dict, configured: str) -> str:
+    """The device of this model instance: the GPU Triton placed a KIND_GPU instance on, else the configured one."""
+    return f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else configured
+
+
 def model_parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 

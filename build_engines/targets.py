@@ -254,7 +254,7 @@ def build_clip(opts: BuildOptions) -> None:
 LLM_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
              "chat_template.jinja")
-VERIFY_LLM_BELOW_BYTES = 512 * 2**20  # greedy parity with transformers on the CPU: cheap only for small models
+VERIFY_BELOW_BYTES = 512 * 2**20  # greedy parity with transformers on the CPU: cheap only for small models
 
 
 def place_checkpoint(checkpoint: Path, version_dir: Path, patterns: tuple[str, ...]) -> None:
@@ -271,6 +271,20 @@ def place_checkpoint(checkpoint: Path, version_dir: Path, patterns: tuple[str, .
                 os.link(file, target)
             except OSError:
                 shutil.copy2(file, target)
+
+
+def place_and_verify(checkpoint: Path, version_dir: Path, patterns: tuple[str, ...], verify,
+                     progress: Progress) -> None:
+    """place_checkpoint, then `verify(version_dir)` (greedy tokens vs transformers on the CPU) when the weights are
+    small enough for that to be cheap."""
+    with progress.step(f"copying {checkpoint} into {version_dir}"):
+        place_checkpoint(checkpoint, version_dir, patterns)
+    size = sum(f.stat().st_size for f in version_dir.glob("*.safetensors"))
+    if size < VERIFY_BELOW_BYTES:
+        with progress.step("greedy tokens vs transformers generate on the CPU"):
+            verify(version_dir)
+    else:
+        print(f"    parity check skipped: {size / 2**30:.1f} GiB of weights (tests cover the engine on tiny models)")
 
 
 def build_llm(opts: BuildOptions) -> None:
@@ -291,14 +305,7 @@ def build_llm(opts: BuildOptions) -> None:
     ModelArgs.from_checkpoint(opts.checkpoint)  # an unsupported family fails here, before anything is copied
     progress = Progress("llm", 3)
     version_dir = opts.repository / "llm" / "1"
-    with progress.step(f"copying {opts.checkpoint} into {version_dir}"):
-        place_checkpoint(opts.checkpoint, version_dir, LLM_FILES)
-    size = sum(f.stat().st_size for f in version_dir.glob("*.safetensors"))
-    if size < VERIFY_LLM_BELOW_BYTES:
-        with progress.step("greedy tokens vs transformers generate on the CPU"):
-            verify_llm(version_dir)
-    else:
-        print(f"    parity check skipped: {size / 2**30:.1f} GiB of weights (tests cover the engine on tiny models)")
+    place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
     with progress.step("writing config.pbtxt"):
         params = {k: v for k, v in common_parameters(opts).items() if k not in ("runtime", "prepare_threads")}
         params["dtype"] = opts.precision
@@ -400,7 +407,8 @@ def build_vlm(opts: BuildOptions) -> None:
     params = {k: v for k, v in common_parameters(opts).items() if k != "runtime"}  # prepare_threads: image workers
     params["dtype"] = opts.precision
     write_model(opts.repository, PythonModelConfig(
-        "vlm", [Tensor("image", "BYTES", [1]), *(Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS)],
+        "vlm", [Tensor("image", "BYTES", [1]),
+                *(Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS)],
         [Tensor("text_output", "BYTES", [1])], max_batch_size=0, max_queue_delay_us=None, instances=1,
         kind=instance_kind(opts), parameters=params, decoupled=True))
     write_engine_metadata(version_dir, runtime="torch", precision=opts.precision, fingerprint=opts.fingerprint("vlm"),
@@ -425,14 +433,7 @@ def build_whisper(opts: BuildOptions) -> None:
         return
     progress = Progress("whisper", 3)
     version_dir = opts.repository / "whisper" / "1"
-    with progress.step(f"copying {opts.checkpoint} into {version_dir}"):
-        place_checkpoint(opts.checkpoint, version_dir, WHISPER_FILES)
-    size = sum(f.stat().st_size for f in version_dir.glob("*.safetensors"))
-    if size < VERIFY_LLM_BELOW_BYTES:
-        with progress.step("greedy tokens vs transformers generate on the CPU"):
-            verify_whisper(version_dir)
-    else:
-        print(f"    parity check skipped: {size / 2**30:.1f} GiB of weights (tests cover the engine on tiny models)")
+    place_and_verify(opts.checkpoint, version_dir, WHISPER_FILES, verify_whisper, progress)
     with progress.step("writing config.pbtxt"):
         params = {k: v for k, v in common_parameters(opts).items() if k != "runtime"}
         params.update(dtype=opts.precision, max_audio_seconds="3600")

@@ -4,7 +4,6 @@ the `token_stream` calibration model, beside genai-perf where installed). Result
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import socket
 import sys
@@ -15,34 +14,12 @@ import tritonclient.grpc as grpcclient
 
 from backends.server import TritonServer, free_port
 from backends.triton_model import model_parameters
-from perf.analyzer import LoadPoint, UnstableMeasurement, run_perf_analyzer
-from perf.gpu import GpuUtilization
+from perf.analyzer import run_perf_analyzer, sweep
 from perf.baseline import in_process_throughput
 from perf.inputs import IMAGE_SETS, model_input_data, model_items
 from perf.llm_scenarios import calibration_bench, served_llm_bench
 from perf.report import hardware_line, write_sweep, write_table
 
-
-
-def sweep(model: str, server: TritonServer, data: Path, tmp: Path, kind: str, levels: list[float],
-          interval_ms: int) -> tuple[list[LoadPoint], str | None, list[str]]:
-    """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
-    mean GPU utilisation during it. Returns the points, where the utilisation came from (None: no GPU) and notes on
-    levels left out because perf_analyzer found no stable measurement there."""
-    points, source, notes = [], None, []
-    for level in levels:
-        value = f"{level:g}"
-        args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
-        try:
-            with GpuUtilization(server.metrics_url) as gpu:
-                (point,) = run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
-                                             interval_ms=interval_ms, **args)
-        except UnstableMeasurement:
-            notes.append(f"{kind} {value}: perf_analyzer found no stable measurement (6 trials); left out.")
-            continue
-        points.append(dataclasses.replace(point, gpu_util=gpu.mean))
-        source = source or gpu.source
-    return points, source, notes
 
 
 def bench_model(model: str, server: TritonServer, repository: Path, results: Path, tmp: Path,

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from perf.gpu import GpuUtilization
 
 PERF_ANALYZER = Path(sys.prefix) / "bin" / "perf_analyzer"
 
@@ -61,3 +64,24 @@ def run_perf_analyzer(model: str, url: str, input_data: Path, csv_path: Path, *,
         raise RuntimeError(f"perf_analyzer failed ({run.returncode}): {' '.join(cmd)}\n{run.stdout[-3000:]}"
                            f"{run.stderr[-2000:]}")
     return parse_csv(csv_path)
+
+
+def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[float],
+          interval_ms: int) -> tuple[list[LoadPoint], str | None, list[str]]:
+    """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
+    mean GPU utilisation during it. Returns the points, where the utilisation came from (None: no GPU) and notes on
+    levels left out because perf_analyzer found no stable measurement there."""
+    points, source, notes = [], None, []
+    for level in levels:
+        value = f"{level:g}"
+        args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
+        try:
+            with GpuUtilization(server.metrics_url) as gpu:
+                (point,) = run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
+                                             interval_ms=interval_ms, **args)
+        except UnstableMeasurement:
+            notes.append(f"{kind} {value}: perf_analyzer found no stable measurement (6 trials); left out.")
+            continue
+        points.append(dataclasses.replace(point, gpu_util=gpu.mean))
+        source = source or gpu.source
+    return points, source, notes

@@ -61,3 +61,8 @@ class GpuUtilization:
     @property
     def mean(self) -> float | None:
         return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def served_device(config: dict) -> str:
+    """"cuda" or "cpu": where a served model's (first) instance group runs, from its config as JSON."""
+    return "cuda" if config["instance_group"][0]["kind"] == "KIND_GPU" else "cpu"

@@ -14,6 +14,7 @@ from PIL import Image
 from backends.server import TritonServer, free_port
 from build_engines.checkpoints import byte_level_tokenizer
 from perf import genai_perf
+from perf.gpu import served_device
 from perf.llm import LoadSpec, make_prompts, run_load, summarize
 from perf.report import plot_curves, stem, write_table
 from perf.token_stream import write_token_stream_model
@@ -189,7 +190,7 @@ def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple
                       model_control="explicit", load_models=["vlm"]) as server:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         config = client.get_model_config("vlm", as_json=True)["config"]
-        device = "cuda" if config["instance_group"][0]["kind"] == "KIND_GPU" else "cpu"
+        device = served_device(config)
         times = preprocessing_ms(folder, image, device)
         for on_device in (False, True):
             if on_device:  # reload with the parameter flipped (unload first: one 8 B model in memory at a time)

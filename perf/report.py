@@ -97,3 +97,15 @@ def write_table(root: Path, scenario: str, header: list[str], rows: list[list], 
     lines += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row) + " |" for row in rows]
     base.with_suffix(".md").write_text("\n".join([*lines, "", *notes, ""]))
     return base.with_suffix(".md")
+
+
+def bench_arguments(parser, interval_ms: int, concurrency=(1, 4, 16)):
+    """The options every served-model benchmark takes: repository, results folder, host name, load levels."""
+    import socket
+
+    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default=socket.gethostname())
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(concurrency))
+    parser.add_argument("--interval-ms", type=int, default=interval_ms, help="perf_analyzer measurement window")
+    return parser

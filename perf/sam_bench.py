@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -19,11 +18,11 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from backends.server import TritonServer, free_port
-from perf.analyzer import UnstableMeasurement, run_perf_analyzer
-from perf.gpu import GpuUtilization
+from perf.analyzer import sweep
+from perf.gpu import served_device
 from perf.inputs import bytes_entry, encoded_images
 from perf.llm_scenarios import wait_unloaded
-from perf.report import hardware_line, write_table
+from perf.report import bench_arguments, hardware_line, write_table
 
 IMAGES = [(640, 480, "JPEG"), (1280, 720, "JPEG"), (1024, 1024, "JPEG"), (800, 1200, "JPEG")]
 
@@ -61,35 +60,18 @@ def in_process(folder: Path, images: list[bytes], dtype: str, device: str, repea
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def sweep(server: TritonServer, data: Path, tmp: Path, label: str, concurrencies: list[int],
-          interval_ms: int) -> tuple[list[list], list[str]]:
-    rows, notes = [], []
-    for concurrency in concurrencies:
-        try:
-            with GpuUtilization(server.metrics_url) as gpu:
-                (point,) = run_perf_analyzer("sam", server.grpc_url, data, tmp / f"{label}-{concurrency}.csv",
-                                             concurrency=str(concurrency), interval_ms=interval_ms)
-        except UnstableMeasurement:
-            notes.append(f"{label}, concurrency {concurrency}: no stable measurement; left out.")
-            continue
-        rows.append([label, concurrency, point.throughput, point.p50_us / 1e3, point.p99_us / 1e3,
-                     "-" if gpu.mean is None else f"{100 * gpu.mean:.0f}%"])
-        print(rows[-1], flush=True)
-    return rows, notes
+def rows_of(label: str, points) -> list[list]:
+    return [[label, p.load, p.throughput, p.p50_us / 1e3, p.p99_us / 1e3,
+             "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%"] for p in points]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.sam_bench", description=__doc__)
-    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
-    parser.add_argument("--results", type=Path, default=Path("perf/results"))
-    parser.add_argument("--host", default=socket.gethostname())
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--interval-ms", type=int, default=3000)
-    args = parser.parse_args(argv)
+    args = bench_arguments(parser, 3000).parse_args(argv)
     images = encoded_images(IMAGES)
     folder = args.repository / "sam" / "1"
-    precision = json.loads((folder / "engine.json").read_text())["precision"]
-    rows, notes = [], []
+    engine_meta = json.loads((folder / "engine.json").read_text())
+    precision = engine_meta["precision"]
     with tempfile.TemporaryDirectory() as tmp_name, TritonServer(
             args.repository, free_port(), free_port(), free_port(), Path("logs/bench-sam.log"),
             model_control="explicit", load_models=["sam"]) as server:
@@ -97,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         version = client.get_server_metadata(as_json=True)["version"]
         config = client.get_model_config("sam", as_json=True)["config"]
-        device = "cuda" if config["instance_group"][0]["kind"] == "KIND_GPU" else "cpu"
-        found, lost = sweep(server, write_input_data(tmp / "clicks.json", images, 8), tmp,
-                            "decoder (clicks on embedded images)", args.concurrency, args.interval_ms)
-        rows, notes = rows + found, notes + lost
+        device = served_device(config)
+        points, _, notes = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
+                                 "concurrency", args.concurrency, args.interval_ms)
+        rows = rows_of("decoder (clicks on embedded images)", points)
         # every request runs the encoder. Unload first: Triton 2.51 aborts when a model with custom metrics is
         # reloaded in place (the new instance registers the same metric families while the old one still holds them)
         client.unload_model("sam")
@@ -108,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         config["parameters"]["embedding_cache_mb"] = {"string_value": "0"}
         client.load_model("sam", config=json.dumps(config))
         client.close()
-        found, lost = sweep(server, write_input_data(tmp / "images.json", images, 1), tmp,
-                            "encoder (every request a new image)", args.concurrency, args.interval_ms)
-        rows, notes = rows + found, notes + lost
+        points, _, lost = sweep("sam", server, write_input_data(tmp / "images.json", images, 1), tmp,
+                                "concurrency", args.concurrency, args.interval_ms)
+        rows, notes = rows + rows_of("encoder (every request a new image)", points), notes + lost
     latency = in_process(folder, images, precision, device)
     rows += [["in process, first click (encoder + decoder)", 1, 1e3 / latency["first click"],
               latency["first click"], "-", "-"],
@@ -119,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"Images: {', '.join(f'{w}x{h}' for w, h, _ in IMAGES)} JPEGs (photo-like); one foreground click per "
              "request. Decoder rows: 8 clicks per image cycled, the embeddings cached after the first round. Encoder "
              "rows: the model reloaded with `embedding_cache_mb` 0.",
-             f"Model: {precision} weights from {Path(json.loads((folder / 'engine.json').read_text())['checkpoint']).name}"
-             f", device {device}, one instance, no dynamic batching (max_batch_size 0).",
+             f"Model: {precision} weights from {Path(engine_meta['checkpoint']).name}, device {device}, one instance, "
+             "no dynamic batching (max_batch_size 0).",
              f"A cache hit makes a click {latency['first click'] / latency['second click']:.1f}x faster in process "
              f"({latency['first click']:.1f} ms -> {latency['second click']:.1f} ms, median over "
              f"{len(images)} images x 5).", *notes]

@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     table = profile.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
 
     base = stem(args.results / args.host, "vlm-ttft-breakdown")
-    base.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"# vlm-ttft-breakdown\n", f"Hardware: {hardware_line('n/a (in-process)')}\n",
+    lines = ["# vlm-ttft-breakdown\n", f"Hardware: {hardware_line('n/a (in-process)')}\n",
              f"One {width}x{height} JPEG ({len(image) / 1e6:.1f} MB), a {args.prompt_tokens}-token prompt; "
              f"{dtype}; median of {args.repeats} after a warm-up, device synchronised around each part.\n",
              "| part | ms |", "|---|---|", *(f"| {name} | {ms:.1f} |" for name, ms in rows),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -19,10 +18,10 @@ import tritonclient.grpc as grpcclient
 
 from backends.audio import decode_audio
 from backends.server import TritonServer, free_port
-from perf.analyzer import UnstableMeasurement, run_perf_analyzer
-from perf.gpu import GpuUtilization
+from perf.analyzer import sweep
+from perf.gpu import served_device
 from perf.inputs import bytes_entry
-from perf.report import hardware_line, write_table
+from perf.report import bench_arguments, hardware_line, write_table
 
 # (seconds, max_tokens): about 3 tokens per second of speech, so the decoder does what real speech would ask of it
 CLIPS = [(5.0, 16), (12.0, 36), (28.0, 84)]
@@ -76,17 +75,11 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], batch: int, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.whisper_bench", description=__doc__)
-    parser.add_argument("--repository", type=Path, default=Path("model_repository"))
-    parser.add_argument("--results", type=Path, default=Path("perf/results"))
-    parser.add_argument("--host", default=socket.gethostname())
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--interval-ms", type=int, default=4000)
-    args = parser.parse_args(argv)
+    args = bench_arguments(parser, 4000).parse_args(argv)
     items = clips()
     mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
     folder = args.repository / "whisper" / "1"
     engine_meta = json.loads((folder / "engine.json").read_text())
-    rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp_name, TritonServer(
             args.repository, free_port(), free_port(), free_port(), Path("logs/bench-whisper.log"),
             model_control="explicit", load_models=["whisper"]) as server:
@@ -95,20 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         version = client.get_server_metadata(as_json=True)["version"]
         config = client.get_model_config("whisper", as_json=True)["config"]
         client.close()
-        device = "cuda" if config["instance_group"][0]["kind"] == "KIND_GPU" else "cpu"
+        device = served_device(config)
         data = write_input_data(tmp / "whisper.json", items)
-        for concurrency in args.concurrency:
-            try:
-                with GpuUtilization(server.metrics_url) as gpu:
-                    (point,) = run_perf_analyzer("whisper", server.grpc_url, data, tmp / f"c{concurrency}.csv",
-                                                 concurrency=str(concurrency), interval_ms=args.interval_ms)
-            except UnstableMeasurement:
-                notes.append(f"concurrency {concurrency}: perf_analyzer found no stable measurement; left out.")
-                continue
-            rows.append([f"Triton, concurrency {concurrency}", point.throughput, point.throughput * mean_seconds,
-                         point.p50_us / 1e3, point.p99_us / 1e3,
-                         "-" if gpu.mean is None else f"{100 * gpu.mean:.0f}%"])
-            print(rows[-1], flush=True)
+        points, _, notes = sweep("whisper", server, data, tmp, "concurrency", args.concurrency, args.interval_ms)
+    rows = [[f"Triton, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, p.p50_us / 1e3,
+             p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%"] for p in points]
     hardware = hardware_line(version)
     batch = max(args.concurrency)
     rate = in_process(folder, items, batch, engine_meta["precision"], device)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from backends.devices import DTYPES, resolve_device
 from backends.errors import InvalidInput
 from backends.generation import SamplingParams
 from backends.llm.attention import AttentionMetadata
@@ -29,7 +30,6 @@ from backends.llm.scheduler import Scheduler
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,7 @@ class LLMEngine:
         from transformers import AutoTokenizer, GenerationConfig
 
         self.config = config
-        device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.model = load_model(checkpoint, self.dtype, self.device, weights,

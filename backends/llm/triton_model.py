@@ -6,6 +6,7 @@ cancelled gRPC stream frees its KV blocks at once. Engine statistics are exporte
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -22,7 +23,7 @@ from backends.generation import GenerationRequest, check_request_parameters, rea
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sequence import Sequence
-from backends.triton_model import model_parameters, optional_input, route_logs_to_triton
+from backends.triton_model import instance_device, model_parameters, optional_input, route_logs_to_triton
 
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.01  # is_cancelled() and metric updates are IPC round trips: do them at most this often
@@ -43,9 +44,7 @@ class LLMTritonModel:
         route_logs_to_triton(pb_utils)
         self.params = model_parameters(json.loads(args["model_config"]))
         engine_config = EngineConfig.from_params(self.params)
-        if args.get("model_instance_kind") == "GPU":
-            engine_config = EngineConfig(**{**engine_config.__dict__,
-                                            "device": f"cuda:{args['model_instance_device_id']}"})
+        engine_config = dataclasses.replace(engine_config, device=instance_device(args, engine_config.device))
         self.engine = LLMEngine(Path(args["model_repository"]) / args["model_version"], engine_config)
         self.inbox: queue.Queue[tuple[object, object, GenerationRequest, object]] = queue.Queue()
         self.pending: list[tuple[object, object, GenerationRequest, object]] = []  # queued, preparation running

@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends.devices import DTYPES, resolve_device
 from backends.errors import InvalidInput
 from backends.images import DEFAULT_MAX_PIXELS, decode_image
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -73,8 +72,7 @@ class SamEngine:
                  max_points: int = 64, max_pixels: int = DEFAULT_MAX_PIXELS):
         from transformers import SamModel, SamProcessor
 
-        device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.device, self.dtype = resolve_device(device), DTYPES[dtype]
         self.model = SamModel.from_pretrained(checkpoint, dtype=self.dtype).to(self.device).eval()
         self.processor = SamProcessor.from_pretrained(checkpoint)
         self.cache = EmbeddingCache(cache_mb * 2**20)

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from backends.errors import InvalidInput
 from backends.sam.engine import SamEngine
-from backends.triton_model import model_parameters, optional_input, route_logs_to_triton
+from backends.triton_model import instance_device, model_parameters, optional_input, route_logs_to_triton
 
 COUNTERS = {"hits": "image embeddings served from the cache", "misses": "images that ran the encoder",
             "evictions": "embeddings dropped from the cache to stay within its memory bound"}
@@ -23,9 +21,7 @@ class SamTritonModel:
         self.pb = pb_utils
         route_logs_to_triton(pb_utils)
         params = model_parameters(json.loads(args["model_config"]))
-        device = params.get("device", "auto")
-        if args.get("model_instance_kind") == "GPU":
-            device = f"cuda:{args['model_instance_device_id']}"
+        device = instance_device(args, params.get("device", "auto"))
         self.engine = SamEngine(Path(args["model_repository"]) / args["model_version"], params.get("dtype", "fp32"),
                                 device, int(params.get("embedding_cache_mb") or 1024))
         labels = {"model": args["model_name"], "version": args["model_version"]}

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from backends.devices import DTYPES, resolve_device
 from backends.errors import InvalidInput
 from backends.whisper.features import LogMel
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TASKS = ("transcribe", "translate")
 
 
@@ -36,8 +36,7 @@ class WhisperEngine:
     def __init__(self, checkpoint: Path, dtype: str = "fp32", device: str = "auto"):
         from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-        device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.device, self.dtype = resolve_device(device), DTYPES[dtype]
         self.model = WhisperForConditionalGeneration.from_pretrained(checkpoint, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.features = LogMel(WhisperFeatureExtractor.from_pretrained(checkpoint))
@@ -86,21 +85,21 @@ class WhisperEngine:
         prompt = torch.tensor([[self.sot, lang, self.tasks[task], self.no_timestamps]
                                for lang, task in zip(lang_ids, tasks)], device=self.device)
         logits = self._step(prompt, 0, cache, cross)
-        out = torch.empty(batch, 0, dtype=torch.long, device=self.device)
+        steps = []
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         for step in range(max(budgets)):
             logits[:, self.suppress] = -torch.inf
             if step == 0:
                 logits[:, self.begin_suppress] = -torch.inf
             token = torch.where(done, self.eot, logits.argmax(-1))
-            out = torch.cat([out, token[:, None]], dim=1)
+            steps.append(token)
             done |= (token == self.eot) | (budget == step + 1)
             if bool(done.all()):
                 break
             logits = self._step(token[:, None], prompt.shape[1] + step, cache, cross)
         codes = {i: code for code, i in self.languages.items()}
         results = []
-        for row, lang, n in zip(out.tolist(), lang_ids, budgets):
+        for row, lang, n in zip(torch.stack(steps, dim=1).tolist(), lang_ids, budgets):
             tokens = row[:row.index(self.eot)] if self.eot in row[:n] else row[:n]
             results.append(Transcription(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), codes[lang]))
         return results

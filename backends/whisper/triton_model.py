@@ -15,7 +15,7 @@ import numpy as np
 
 from backends.audio import AudioLimits, decode_audio
 from backends.errors import InvalidInput
-from backends.triton_model import model_parameters, optional_input, route_logs_to_triton
+from backends.triton_model import instance_device, model_parameters, optional_input, route_logs_to_triton
 from backends.whisper.chunking import merge, split
 from backends.whisper.engine import TASKS, WhisperEngine
 
@@ -27,9 +27,7 @@ class WhisperTritonModel:
         self.pb = pb_utils
         route_logs_to_triton(pb_utils)
         params = model_parameters(json.loads(args["model_config"]))
-        device = params.get("device", "auto")
-        if args.get("model_instance_kind") == "GPU":
-            device = f"cuda:{args['model_instance_device_id']}"
+        device = instance_device(args, params.get("device", "auto"))
         self.engine = WhisperEngine(Path(args["model_repository"]) / args["model_version"],
                                     params.get("dtype", "fp32"), device)
         self.limits = AudioLimits(float(params.get("max_audio_seconds") or AudioLimits.max_seconds),

@@ -3,7 +3,6 @@ requests of different lengths (batched by Triton's dynamic batcher), WAV/FLAC/OG
 chunked path, the client CLI, and bad audio refused with the reason while the server keeps serving."""
 from __future__ import annotations
 
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np

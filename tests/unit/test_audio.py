@@ -38,7 +38,7 @@ def test_features_equal_whisper_feature_extractor(mels, seconds, rate):
     padded[0, :min(len(expected_wave), extractor.n_samples)] = expected_wave[:extractor.n_samples]
     reference = extractor._np_extract_fbank_features(padded, "cpu")[0]
     assert ours.shape == reference.shape == (mels, 3000)
-    np.testing.assert_allclose(ours, reference, atol=1e-4)
+    np.testing.assert_allclose(ours, reference, atol=1e-6)  # the acceptance asks 1e-4; float64 gives ~1e-7
 
 
 @pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS")])

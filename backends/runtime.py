@@ -38,13 +38,13 @@ class OnnxRuntime(Runtime):
     def __init__(self, path: Path, device: str = "auto"):
         import onnxruntime as ort
 
-        providers = ["CPUExecutionProvider"]
-        if device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
-            providers.insert(0, "CUDAExecutionProvider")
-        elif device == "cuda":
+        providers: list = ["CPUExecutionProvider"]
+        if (device == "auto" or device.startswith("cuda")) and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": int(device.partition(":")[2] or 0)}))
+        elif device.startswith("cuda"):
             raise RuntimeUnavailable("onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
         self.session = ort.InferenceSession(str(path), providers=providers)
-        self.device = "cuda" if providers[0].startswith("CUDA") else "cpu"
+        self.device = "cpu" if providers[0] == "CPUExecutionProvider" else "cuda"
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -60,29 +60,27 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
 class TorchRuntime(Runtime):
     name = "torch"
 
-    def __init__(self, path: Path, output_names: list[str], device: str = "auto", dtype: str = "fp32",
-                 compile: bool = False):
+    def __init__(self, path: Path, output_names: list[str], device: str = "auto", compile: bool = False):
         import torch
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
+        if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeUnavailable("torch reports no CUDA device")
         self.torch, self.device = torch, device
-        self.dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         program = torch.export.load(str(path))
         self.input_names = [spec.arg.name for spec in program.graph_signature.input_specs
                             if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+        exported = {node.name: node.meta["val"].dtype for node in program.graph.nodes if node.op == "placeholder"}
+        self.input_dtypes = [exported[name] for name in self.input_names]  # each input as the program was traced
         self.output_names = output_names  # a torch.export program's outputs carry no names
         module = program.module().to(device)
         self.module = torch.compile(module, dynamic=True) if compile else module
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self.torch
-        args = []
-        for name in self.input_names:
-            tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to(self.device)
-            args.append(tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
+        args = [torch.from_numpy(np.ascontiguousarray(feeds[name])).to(self.device, dtype)
+                for name, dtype in zip(self.input_names, self.input_dtypes)]
         with torch.inference_mode():
             outputs = self.module(*args)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
@@ -156,7 +154,7 @@ def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "
         return OnnxRuntime(path, device)
     if runtime == "torch":
         meta = json.loads((version_dir / "engine.json").read_text())
-        return TorchRuntime(path, meta["outputs"], device, meta["precision"], compile)
+        return TorchRuntime(path, meta["outputs"], device, compile)
     return TensorRTRuntime(path)
 
 

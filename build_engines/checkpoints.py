@@ -5,6 +5,8 @@ They stand in for weights we cannot download: the builder and the tests then loa
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 import shutil
 from functools import partial
 from pathlib import Path
@@ -295,22 +297,32 @@ def tiny_whisper(out: Path, num_mel_bins: int = 80, d_model: int = 64, layers: i
 
 def tiny_sam(out: Path, hidden: int = 32, layers: int = 2, heads: int = 2, channels: int = 32,
              global_attn: tuple[int, ...] = (1,), vit_mlp: int = 64, decoder_mlp: int = 64, decoder_heads: int = 2,
-             half: bool = False) -> Path:
+             half: bool = False, init_range: float = 0.25) -> Path:
     """SAM's real layout (1024 px input, 16 px patches -> a 64 x 64 embedding, 256 x 256 low-res masks) with a
-    tiny ViT, prompt encoder and mask decoder (or real sizes, see RANDOM_INIT), and its SamProcessor."""
+    tiny ViT, prompt encoder and mask decoder (or real sizes, see RANDOM_INIT), and its SamProcessor.
+
+    `init_range` sets the prompt encoder and mask decoder's weights: 0.25 gives the tiny decoder IoU scores and mask
+    logits of order 1 (at transformers' 0.02 they are ~1e-4, too small for a 1e-3 score check to mean anything)."""
     import torch
     from transformers import (SamConfig, SamImageProcessorPil, SamMaskDecoderConfig, SamModel, SamProcessor,
                               SamPromptEncoderConfig, SamVisionConfig)
 
     torch.manual_seed(0)
     config = SamConfig(
-        vision_config=SamVisionConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        # initializer_range: SamVisionConfig's default (1e-10) makes an encoder whose embedding is ~0 for any image
+        vision_config=SamVisionConfig(initializer_range=0.02, hidden_size=hidden, num_hidden_layers=layers,
+                                      num_attention_heads=heads,
                                       output_channels=channels, mlp_dim=vit_mlp,
                                       global_attn_indexes=list(global_attn), num_pos_feats=channels // 2),
         prompt_encoder_config=SamPromptEncoderConfig(hidden_size=channels),
         mask_decoder_config=SamMaskDecoderConfig(hidden_size=channels, mlp_dim=decoder_mlp,
-                                                 num_attention_heads=decoder_heads, iou_head_hidden_dim=channels))
+                                                 num_attention_heads=decoder_heads, iou_head_hidden_dim=channels),
+        initializer_range=init_range)
     model = SamModel(config)
+    with torch.no_grad():  # the positional tables start at zero: random values exercise them
+        for name, param in model.vision_encoder.named_parameters():
+            if "pos" in name:
+                param.normal_(std=0.02)
     (model.to(torch.bfloat16) if half else model).save_pretrained(out)
     SamProcessor(image_processor=SamImageProcessorPil()).save_pretrained(out)
     return out
@@ -329,7 +341,7 @@ RANDOM_INIT = {
     "llava-next-8b": ("vlm", random_llava_next),  # CLIP ViT-L/14-336 + Llama-3-8B shapes, LLaVA-1.6 grid
     "sam-vit-h": ("sam", partial(tiny_sam, hidden=1280, layers=32, heads=16, channels=256,
                                  global_attn=(7, 15, 23, 31), vit_mlp=5120, decoder_mlp=2048, decoder_heads=8,
-                                 half=True)),
+                                 half=True, init_range=0.02)),
     "whisper-large-v3": ("whisper", partial(tiny_whisper, num_mel_bins=128, d_model=1280, layers=32, heads=20,
                                             ffn=5120, decoder_std=None, half=True)),
 }
@@ -353,7 +365,11 @@ TINY_SOURCE = {"anyres": "llava_next", "vlm": "llava_next"}  # model families bu
 def tiny_checkpoint(family: str, root: Path = TINY_ROOT) -> Path:
     """Path of the tiny checkpoint for a model family, created on first use."""
     name = TINY_SOURCE.get(family, family)
-    out = root / f"tiny-{name}"
-    if not (out / "config.json").exists():
-        TINY_BUILDERS[name](out)
+    out, build = root / f"tiny-{name}", TINY_BUILDERS[name]
+    stamp = hashlib.sha256(inspect.getsource(build).encode()).hexdigest()[:16]  # rebuilt when its builder changes
+    if not (out / "config.json").exists() or not (out / ".builder").exists() or \
+            (out / ".builder").read_text() != stamp:
+        shutil.rmtree(out, ignore_errors=True)
+        build(out)
+        (out / ".builder").write_text(stamp)
     return out

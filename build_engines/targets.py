@@ -132,15 +132,16 @@ def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progre
     export_precision = "fp32" if opts.runtime == "tensorrt" else opts.precision
     dtype = DTYPES[export_precision]
     typed = EngineSpec(copy.deepcopy(spec.module).to(dtype),
-                       lambda b: {k: v.to(dtype) if v.is_floating_point() else v for k, v in spec.make_inputs(b).items()},
-                       spec.dynamic_axes, spec.outputs)
+                       lambda b: {k: v.to(dtype) if v.is_floating_point() and k not in spec.keep_fp32 else v
+                                  for k, v in spec.make_inputs(b).items()},
+                       spec.dynamic_axes, spec.outputs, spec.keep_fp32)
     if opts.runtime == "torch":
         from backends.runtime import TorchRuntime
 
         device = "cuda" if instance_kind(opts) == "KIND_GPU" else "cpu"
         with progress.step(f"exporting torch program ({opts.precision}, {device})"):
             export_torch(typed, version_dir / "model.pt2", device)
-        engine = TorchRuntime(version_dir / "model.pt2", spec.outputs, device, opts.precision)
+        engine = TorchRuntime(version_dir / "model.pt2", spec.outputs, device)
     else:
         from backends.runtime import OnnxRuntime
 
@@ -154,9 +155,10 @@ def build_engine(spec: EngineSpec, version_dir: Path, opts: BuildOptions, progre
             build_tensorrt(version_dir / "model.onnx", version_dir / "model.plan", opts.precision,
                            profile_shapes(spec, opts.max_batch_size))
     write_engine_metadata(version_dir, runtime=opts.runtime, precision=opts.precision, outputs=spec.outputs,
-                          max_abs_error_vs_torch=error, fingerprint=opts.fingerprint(version_dir.parent.name),
+                          max_error_vs_torch=error,
+                          fingerprint=opts.fingerprint(version_dir.relative_to(opts.repository).parts[0]),
                           checkpoint=str(opts.checkpoint.resolve()))
-    print(f"    max |engine - torch| = {error:.2e} (tolerance by precision: see build_engines/export.py)")
+    print(f"    max |engine - torch| = {error:.2e} of the largest output (tolerance: build_engines/export.py)")
     return error
 
 
@@ -466,35 +468,53 @@ def verify_whisper(checkpoint: Path, seconds=(2.0, 9.0), tokens: int = 12) -> No
             raise VerificationError(f"whisper greedy tokens differ from transformers: {result.tokens} vs {expected}")
 
 
-SAM_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "preprocessor_config.json",
-             "processor_config.json")
-
-
 def build_sam(opts: BuildOptions) -> None:
-    """The `sam` model from a Hugging Face SAM checkpoint (transformers' SamModel run by backends/sam, with the
-    image embedding cached per image): files linked or copied into model_repository/sam/1, config written."""
-    if opts.runtime != "torch":
-        raise RuntimeError(f"sam runs on PyTorch (--runtime torch), not --runtime {opts.runtime}")
+    """The `sam` model: the image encoder and the prompt encoder + mask decoder as two engines (segment-anything's
+    ONNX interface, see build_engines/sam_graphs.py) from a Hugging Face SAM checkpoint, each verified against
+    PyTorch, with SamProcessor's config beside them for preprocessing."""
+    from transformers import SamModel, SamProcessor
+
+    from build_engines.sam_graphs import SamImageEncoder, SamPromptMaskDecoder, decoder_inputs, encoder_inputs
+
     if up_to_date(opts, ["sam"]):
         print("sam: up to date")
         return
+    progress = Progress("sam", 8 if opts.runtime == "tensorrt" else 6)
     version_dir = opts.repository / "sam" / "1"
-    place_checkpoint(opts.checkpoint, version_dir, SAM_FILES)
-    params = {k: v for k, v in common_parameters(opts).items() if k not in ("runtime", "prepare_threads")}
-    params.update(dtype=opts.precision, embedding_cache_mb="1024")
-    write_model(opts.repository, PythonModelConfig(
-        "sam", [Tensor("image", "BYTES", [1]), Tensor("point_coords", "FP32", [-1, 2], optional=True),
-                Tensor("point_labels", "INT32", [-1], optional=True), Tensor("boxes", "FP32", [-1, 4], optional=True),
-                Tensor("multimask_output", "BOOL", [1], optional=True)],
-        [Tensor("masks", "BOOL", [-1, -1, -1]), Tensor("iou_scores", "FP32", [-1]),
-         Tensor("low_res_logits", "FP32", [-1, 256, 256])],
-        max_batch_size=0, max_queue_delay_us=None, instances=1, kind=instance_kind(opts), parameters=params))
-    write_engine_metadata(version_dir, runtime="torch", precision=opts.precision, fingerprint=opts.fingerprint("sam"),
-                          checkpoint=str(opts.checkpoint.resolve()))
-    print(f"sam: {opts.checkpoint} ({opts.precision})")
+    with progress.step(f"loading {opts.checkpoint}"):
+        sam = SamModel.from_pretrained(opts.checkpoint, dtype=torch.float32).eval()
+        processor = SamProcessor.from_pretrained(opts.checkpoint)
+        version_dir.mkdir(parents=True, exist_ok=True)
+        processor.save_pretrained(version_dir)
+    prompt_cfg, pad_size = sam.config.prompt_encoder_config, processor.image_processor.pad_size
+    low_res = 4 * prompt_cfg.image_embedding_size  # the decoder's mask side (256)
+    build_engine(EngineSpec(SamImageEncoder(sam), encoder_inputs(prompt_cfg.image_size), {"pixel_values": {0: BATCH}},
+                            ["image_embeddings"]), version_dir / "image_encoder", opts, progress)
+    points = ("points", 1024)
+    build_engine(EngineSpec(
+        SamPromptMaskDecoder(sam, pad_size["height"]), decoder_inputs(
+            prompt_cfg.hidden_size, prompt_cfg.image_embedding_size, low_res, prompt_cfg.image_size),
+        {"image_embeddings": {0: BATCH}, "point_coords": {0: BATCH, 1: points}, "point_labels": {0: BATCH, 1: points},
+         "mask_input": {0: BATCH}, "has_mask_input": {0: BATCH}},
+        ["masks", "iou_predictions", "low_res_masks"], keep_fp32=("point_coords",)),
+        version_dir / "mask_decoder", opts, progress)
+    params = {k: v for k, v in common_parameters(opts).items() if k != "prepare_threads"}
+    params["embedding_cache_mb"] = "1024"
+    with progress.step("writing config.pbtxt"):
+        write_model(opts.repository, PythonModelConfig(
+            "sam", [Tensor("image", "BYTES", [1]), Tensor("point_coords", "FP32", [-1, 2], optional=True),
+                    Tensor("point_labels", "INT32", [-1], optional=True),
+                    Tensor("boxes", "FP32", [-1, 4], optional=True),
+                    Tensor("mask_input", "FP32", [1, low_res, low_res], optional=True),
+                    Tensor("multimask_output", "BOOL", [1], optional=True)],
+            [Tensor("masks", "BOOL", [-1, -1, -1]), Tensor("iou_scores", "FP32", [-1]),
+             Tensor("low_res_logits", "FP32", [-1, low_res, low_res])],
+            max_batch_size=0, max_queue_delay_us=None, instances=1, kind=instance_kind(opts), parameters=params))
+    write_engine_metadata(version_dir, runtime=opts.runtime, precision=opts.precision,
+                          fingerprint=opts.fingerprint("sam"), checkpoint=str(opts.checkpoint.resolve()))
 
 
 FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres, "vlm": build_vlm,
             "whisper": build_whisper, "sam": build_sam}
 DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch", "vlm": "torch",
-                   "whisper": "torch", "sam": "torch"}
+                   "whisper": "torch", "sam": "onnxruntime"}

@@ -79,7 +79,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
         if not points and not args.box:
             parser.error("segment needs --point, --background or --box")
         data = args.image.read_bytes()
-        masks, scores = client.segment(data, points, labels, _floats(args.box, 4) if args.box else None)
+        masks, scores, _ = client.segment(data, points, labels, _floats(args.box, 4) if args.box else None)
         best = int(np.argmax(scores))
         out = args.out or args.image.with_suffix(".mask.png")
         overlay(data, masks[best]).save(out)

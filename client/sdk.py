@@ -78,18 +78,21 @@ class Client:
         return out["text"].reshape(-1)[0].decode(), out["tokens"].reshape(-1).tolist()
 
     def segment(self, image: bytes, points: list[tuple[float, float]] = (), labels: list[int] = (),
-                box: tuple[float, float, float, float] | None = None, multimask: bool = True
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """(masks bool [K, H, W], iou_scores [K]) from `sam` for one prompt: points (x, y) with labels (1 object,
-        0 background) and/or one box (x0, y0, x1, y1)."""
+                box: tuple[float, float, float, float] | None = None, multimask: bool = True,
+                mask_input: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(masks bool [K, H, W], iou_scores [K], low_res_logits [K, 256, 256]) from `sam` for one prompt: points
+        (x, y) with labels (1 object, 0 background) and/or one box (x0, y0, x1, y1). To refine a mask with more
+        clicks, pass its low_res_logits row back as `mask_input`."""
         inputs = {"image": np.array([image], dtype=object), "multimask_output": np.array([multimask])}
         if points:
             inputs["point_coords"] = np.array(points, dtype=np.float32).reshape(-1, 2)
             inputs["point_labels"] = np.array(labels, dtype=np.int32)
         if box is not None:
             inputs["boxes"] = np.array([box], dtype=np.float32)
-        out = self.infer("sam", inputs, ["masks", "iou_scores"])
-        return out["masks"], out["iou_scores"]
+        if mask_input is not None:
+            inputs["mask_input"] = np.asarray(mask_input, dtype=np.float32).reshape(1, *np.shape(mask_input)[-2:])
+        out = self.infer("sam", inputs, ["masks", "iou_scores", "low_res_logits"])
+        return out["masks"], out["iou_scores"], out["low_res_logits"]
 
     def generate(self, prompt: str, max_tokens: int = 64, stream: bool = True, model: str = "llm",
                  timeout_s: float = 300.0, **optional) -> Iterator[str]:

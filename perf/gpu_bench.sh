@@ -96,7 +96,7 @@ if [[ " ${SCENARIOS:-images} " == *" sam "* ]]; then
   if [ "${TINY:-0}" = 1 ]; then
     "${build[@]}" sam --tiny
   else  # SAM ViT-H shapes (32 layers x 1280, 256-channel neck and decoder), random bf16 weights
-    "${build[@]}" sam --random-init sam-vit-h --precision bf16 --device cuda
+    "${build[@]}" sam --random-init sam-vit-h --runtime torch --precision bf16 --device cuda
   fi
   "$py" -m perf.sam_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
 fi

@@ -40,12 +40,12 @@ def write_input_data(path: Path, images: list[bytes], clicks: int) -> Path:
     return path
 
 
-def in_process(folder: Path, images: list[bytes], dtype: str, device: str, repeats: int = 5) -> dict[str, float]:
+def in_process(folder: Path, images: list[bytes], device: str, repeats: int = 5) -> dict[str, float]:
     """Median ms of a first click (no cache) and of a further click (cache hit), in process."""
     from backends.sam.engine import SamEngine
 
-    engine = SamEngine(folder, dtype, device, cache_mb=0)
-    cached = SamEngine(folder, dtype, device)
+    engine = SamEngine(folder, device=device, cache_mb=0)
+    cached = SamEngine(folder, device=device)
     point, label = np.array([[10.0, 10.0]], dtype=np.float32), np.array([1])
     times: dict[str, list[float]] = {"first click": [], "second click": []}
     for name, run in (("first click", lambda d: engine.segment(d, point, label)),
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         points, _, lost = sweep("sam", server, write_input_data(tmp / "images.json", images, 1), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
         rows, notes = rows + rows_of("encoder (every request a new image)", points), notes + lost
-    latency = in_process(folder, images, precision, device)
+    latency = in_process(folder, images, device)
     rows += [["in process, first click (encoder + decoder)", 1, 1e3 / latency["first click"],
               latency["first click"], "-", "-"],
              ["in process, second click (cache hit)", 1, 1e3 / latency["second click"], latency["second click"],
@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"Images: {', '.join(f'{w}x{h}' for w, h, _ in IMAGES)} JPEGs (photo-like); one foreground click per "
              "request. Decoder rows: 8 clicks per image cycled, the embeddings cached after the first round. Encoder "
              "rows: the model reloaded with `embedding_cache_mb` 0.",
-             f"Model: {precision} weights from {Path(engine_meta['checkpoint']).name}, device {device}, one instance, "
-             "no dynamic batching (max_batch_size 0).",
+             f"Model: {precision} {engine_meta['runtime']} engines (image encoder, prompt encoder + mask decoder) "
+             f"from {Path(engine_meta['checkpoint']).name}, device {device}, one instance, no dynamic batching "
+             "(max_batch_size 0).",
              f"A cache hit makes a click {latency['first click'] / latency['second click']:.1f}x faster in process "
              f"({latency['first click']:.1f} ms -> {latency['second click']:.1f} ms, median over "
              f"{len(images)} images x 5).", *notes]

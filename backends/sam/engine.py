@@ -1,10 +1,10 @@
-"""SAM with the image embedding cached: the heavy ViT runs once per distinct image, each prompt only runs the
-prompt encoder and mask decoder.
+"""SAM with the image embedding cached: the image encoder engine runs once per distinct image, each prompt only runs
+the prompt encoder + mask decoder engine (both built by `build_engines sam`, segment-anything's ONNX interface).
 
-Preprocessing and postprocessing are transformers' SamProcessor (resize the longest side to 1024, normalise, pad;
-upscale the low-res masks, crop the padding, resize to the original size, threshold), so masks and scores equal
-SamModel + SamProcessor's. The cache is keyed by the SHA-256 of the encoded image, least recently used first out,
-bounded by the bytes its embeddings hold.
+Preprocessing is transformers' SamProcessor (resize the longest side to 1024, normalise, pad); the decoder engine
+does its post-processing (upscale the low-res masks, crop the padding, resize to the original size) and the masks are
+its logits > 0, so masks and scores equal SamModel + SamProcessor's. The cache is keyed by the SHA-256 of the encoded
+image, least recently used first out, bounded by the bytes its embeddings hold.
 """
 from __future__ import annotations
 
@@ -14,22 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from backends.devices import DTYPES, resolve_device
 from backends.errors import InvalidInput
 from backends.images import DEFAULT_MAX_PIXELS, decode_image
+from backends.runtime import load_runtime
+
+LOW_RES = 256  # side of the decoder's low-res masks (and of mask_input)
 
 
 @dataclass
 class Embedded:
-    embeddings: torch.Tensor  # [1, C, 64, 64] on the model's device
+    embeddings: np.ndarray  # float32 [1, C, 64, 64], in host memory: the GPU keeps only what is running
     original_size: tuple[int, int]  # (height, width) of the decoded image
     reshaped_size: tuple[int, int]  # (height, width) after the longest side went to 1024
 
     @property
     def nbytes(self) -> int:
-        return self.embeddings.numel() * self.embeddings.element_size()
+        return self.embeddings.nbytes
 
 
 class EmbeddingCache:
@@ -68,33 +69,32 @@ class Segmentation:
 
 
 class SamEngine:
-    def __init__(self, checkpoint: Path, dtype: str = "fp32", device: str = "auto", cache_mb: int = 1024,
+    def __init__(self, version_dir: Path, runtime: str = "auto", device: str = "auto", cache_mb: int = 1024,
                  max_points: int = 64, max_pixels: int = DEFAULT_MAX_PIXELS):
-        from transformers import SamModel, SamProcessor
+        from transformers import SamProcessor
 
-        self.device, self.dtype = resolve_device(device), DTYPES[dtype]
-        self.model = SamModel.from_pretrained(checkpoint, dtype=self.dtype).to(self.device).eval()
-        self.processor = SamProcessor.from_pretrained(checkpoint)
+        self.processor = SamProcessor.from_pretrained(version_dir)
+        self.encoder = load_runtime(Path(version_dir) / "image_encoder", runtime, device)
+        self.decoder = load_runtime(Path(version_dir) / "mask_decoder", runtime, device)
         self.cache = EmbeddingCache(cache_mb * 2**20)
         self.max_points, self.max_pixels = max_points, max_pixels
         self.encoder_runs = 0
 
-    @torch.inference_mode()
     def embed(self, data: bytes) -> Embedded:
         """The image's embedding, from the cache when these exact bytes were seen."""
         key = hashlib.sha256(data).hexdigest()
         entry = self.cache.get(key)
         if entry is None:
-            inputs = self.processor(images=decode_image(data, self.max_pixels), return_tensors="pt")
-            pixels = inputs["pixel_values"].to(self.device, self.dtype)
-            entry = Embedded(self.model.get_image_embeddings(pixels), tuple(inputs["original_sizes"][0].tolist()),
+            inputs = self.processor(images=decode_image(data, self.max_pixels), return_tensors="np")
+            entry = Embedded(self.encoder.run({"pixel_values": inputs["pixel_values"]})["image_embeddings"],
+                             tuple(inputs["original_sizes"][0].tolist()),
                              tuple(inputs["reshaped_input_sizes"][0].tolist()))
             self.encoder_runs += 1
             self.cache.put(key, entry)
         return entry
 
     def check_prompt(self, points: np.ndarray | None, labels: np.ndarray | None, boxes: np.ndarray | None,
-                     size: tuple[int, int]) -> None:
+                     mask_input: np.ndarray | None, size: tuple[int, int]) -> None:
         height, width = size
         if points is None and boxes is None:
             raise InvalidInput("give at least one point (point_coords + point_labels) or one box")
@@ -116,24 +116,35 @@ class SamEngine:
             inside = (boxes[:, :2] >= 0).all() and (boxes[:, [2]] <= width).all() and (boxes[:, [3]] <= height).all()
             if not inside or not (boxes[:, 2:] > boxes[:, :2]).all():
                 raise InvalidInput(f"each box needs 0 <= x0 < x1 <= {width} and 0 <= y0 < y1 <= {height}")
+        if mask_input is not None and (mask_input.shape != (1, LOW_RES, LOW_RES) or not np.isfinite(mask_input).all()):
+            raise InvalidInput(f"mask_input must be one finite low-res mask [1, {LOW_RES}, {LOW_RES}] (a "
+                               f"low_res_logits row of an earlier answer); got {list(mask_input.shape)}")
 
-    @torch.inference_mode()
     def segment(self, data: bytes, points: np.ndarray | None = None, labels: np.ndarray | None = None,
-                boxes: np.ndarray | None = None, multimask: bool = True) -> Segmentation:
-        """One prompt (all points together, and optionally one box) on one image."""
+                boxes: np.ndarray | None = None, multimask: bool = True,
+                mask_input: np.ndarray | None = None) -> Segmentation:
+        """One prompt (all points together, optionally one box and the low-res logits of an earlier mask) on one
+        image."""
         entry = self.embed(data)
-        self.check_prompt(points, labels, boxes, entry.original_size)
-        scale = torch.tensor([entry.reshaped_size[1] / entry.original_size[1],
-                              entry.reshaped_size[0] / entry.original_size[0]])  # SamProcessor's coordinate scaling
-        prompt = {}
+        self.check_prompt(points, labels, boxes, mask_input, entry.original_size)
+        (height, width), (new_height, new_width) = entry.original_size, entry.reshaped_size
+        scale = np.array([new_width / width, new_height / height])  # SamProcessor's coordinate scaling
+        coords, codes = [np.zeros((0, 2))], [np.zeros(0)]
         if points is not None:
-            prompt["input_points"] = (torch.as_tensor(points, dtype=torch.float32) * scale)[None, None]
-            prompt["input_labels"] = torch.as_tensor(labels, dtype=torch.long)[None, None]
-        if boxes is not None:
-            prompt["input_boxes"] = (torch.as_tensor(boxes, dtype=torch.float32).view(2, 2) * scale).view(1, 1, 4)
-        prompt = {k: v.to(self.device) for k, v in prompt.items()}
-        out = self.model(image_embeddings=entry.embeddings, multimask_output=multimask, **prompt)
-        masks = self.processor.post_process_masks(out.pred_masks.float().cpu(), [list(entry.original_size)],
-                                                  [list(entry.reshaped_size)])[0][0]
-        return Segmentation(masks.numpy(), out.iou_scores[0, 0].float().cpu().numpy(),
-                            out.pred_masks[0, 0].float().cpu().numpy())
+            coords.append(points * scale)
+            codes.append(labels)
+        if boxes is not None:  # box corners are points labelled 2 and 3
+            coords.append(boxes.reshape(2, 2) * scale)
+            codes.append(np.array([2, 3]))
+        else:  # without a box, SAM appends one padding point
+            coords.append(np.zeros((1, 2)))
+            codes.append(np.array([-1]))
+        out = self.decoder.run({
+            "image_embeddings": entry.embeddings, "point_coords": np.concatenate(coords)[None].astype(np.float32),
+            "point_labels": np.concatenate(codes)[None].astype(np.float32),
+            "mask_input": np.zeros((1, 1, LOW_RES, LOW_RES), np.float32) if mask_input is None else mask_input[None],
+            "has_mask_input": np.array([0.0 if mask_input is None else 1.0], np.float32),
+            "orig_im_size": np.array(entry.original_size, np.int64)})
+        chosen = slice(1, None) if multimask else slice(0, 1)  # as SamMaskDecoder picks
+        return Segmentation(out["masks"][0, chosen] > 0, out["iou_predictions"][0, chosen],
+                            out["low_res_masks"][0, chosen])

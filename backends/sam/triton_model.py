@@ -1,6 +1,7 @@
-"""Triton adapter for `sam`: image + one prompt (points with labels, and/or one box) -> masks at the image's size,
-IoU scores and the low-res logits. The engine caches image embeddings by content hash; cache hits, misses and
-evictions are exported as counters (sam_embedding_cache_*), so a client can see a second click skip the encoder."""
+"""Triton adapter for `sam`: image + one prompt (points with labels, and/or one box, optionally the low-res logits of
+an earlier mask) -> masks at the image's size, IoU scores and the low-res logits. The engine caches image embeddings
+by content hash; cache hits, misses and evictions are exported as counters (sam_embedding_cache_*), so a client can
+see a second click skip the encoder."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ class SamTritonModel:
         route_logs_to_triton(pb_utils)
         params = model_parameters(json.loads(args["model_config"]))
         device = instance_device(args, params.get("device", "auto"))
-        self.engine = SamEngine(Path(args["model_repository"]) / args["model_version"], params.get("dtype", "fp32"),
+        self.engine = SamEngine(Path(args["model_repository"]) / args["model_version"], params.get("runtime", "auto"),
                                 device, int(params.get("embedding_cache_mb") or 1024))
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.families = {k: pb_utils.MetricFamily(f"sam_embedding_cache_{k}_total", doc,
@@ -35,10 +36,10 @@ class SamTritonModel:
         image = optional_input(pb, request, "image")
         if image is None or image.size != 1:
             raise InvalidInput("image must hold exactly one encoded image")
-        points, labels, boxes, multimask = (optional_input(pb, request, name) for name in (
-            "point_coords", "point_labels", "boxes", "multimask_output"))
+        points, labels, boxes, mask_input, multimask = (optional_input(pb, request, name) for name in (
+            "point_coords", "point_labels", "boxes", "mask_input", "multimask_output"))
         result = self.engine.segment(bytes(image.reshape(-1)[0]), points, labels, boxes,
-                                     True if multimask is None else bool(multimask.reshape(-1)[0]))
+                                     True if multimask is None else bool(multimask.reshape(-1)[0]), mask_input)
         return pb.InferenceResponse([pb.Tensor("masks", result.masks), pb.Tensor("iou_scores", result.iou_scores),
                                      pb.Tensor("low_res_logits", result.low_res_logits)])
 

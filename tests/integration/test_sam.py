@@ -25,15 +25,22 @@ def cache(server, name: str) -> float:
 def test_served_masks_equal_reference_and_second_click_hits_the_cache(server, sam_checkpoint):
     with Client(server.http_url) as client:
         hits, misses = cache(server, "hits"), cache(server, "misses")
-        masks, scores = client.segment(IMAGE, [(320.0, 240.0)], [1])
-        expected_masks, expected_scores = reference(sam_checkpoint, IMAGE, np.array([[320.0, 240.0]]), np.array([1]))
+        masks, scores, first_low_res = client.segment(IMAGE, [(320.0, 240.0)], [1])
+        expected_masks, expected_scores, _ = reference(sam_checkpoint, IMAGE, np.array([[320.0, 240.0]]),
+                                                       np.array([1]))
         assert masks.shape == expected_masks.shape == (3, 480, 640) and masks.dtype == bool
         for got, want in zip(masks, expected_masks):
             assert (got & want).sum() / max((got | want).sum(), 1) >= 0.99
         np.testing.assert_allclose(scores, expected_scores, atol=1e-3)
         assert (cache(server, "misses"), cache(server, "hits")) == (misses + 1, hits)
-        masks, _ = client.segment(IMAGE, [(100.0, 50.0), (600.0, 400.0)], [1, 0], multimask=False)
-        assert masks.shape == (1, 480, 640)
+        points, labels = np.array([[100.0, 50.0], [600.0, 400.0]]), np.array([1, 0])
+        masks, scores, low_res = client.segment(IMAGE, points.tolist(), labels.tolist(), multimask=False,
+                                                mask_input=first_low_res[:1])  # refine it
+        expected_masks, expected_scores, expected_low_res = reference(
+            sam_checkpoint, IMAGE, points, labels, multimask=False, mask_input=first_low_res[:1])
+        assert masks.shape == (1, 480, 640) and (masks[0] & expected_masks[0]).sum() >= 0.99 * (
+            masks[0] | expected_masks[0]).sum()
+        np.testing.assert_allclose(low_res, expected_low_res, atol=1e-3)
         assert (cache(server, "misses"), cache(server, "hits")) == (misses + 1, hits + 1)
 
 
@@ -54,6 +61,8 @@ BAD = {
     "10000 points": ({"points": [(5.0, 5.0)] * 10000, "labels": [1] * 10000}, "between 1 and 64"),
     "label 2": ({"points": [(5.0, 5.0)], "labels": [2]}, "0 \\(background\\) or 1"),
     "lengths differ": ({"points": [(5.0, 5.0), (6.0, 6.0)], "labels": [1]}, "point_labels \\[N\\]"),
+    "mask of another size": ({"points": [(5.0, 5.0)], "labels": [1], "mask_input": np.zeros((1, 64, 64))},
+                             "unexpected shape|mask_input"),
 }
 
 
@@ -65,5 +74,5 @@ def test_bad_prompts_are_invalid_arg_and_server_keeps_serving(server):
             assert "400" in str(error.value.status()), name
         with pytest.raises(InferenceServerException, match="not a known image format"):
             client.segment(b"corrupt", [(1.0, 1.0)], [1])
-        masks, _ = client.segment(IMAGE, [(10.0, 10.0)], [1])
+        masks, _, _ = client.segment(IMAGE, [(10.0, 10.0)], [1])
     assert masks.shape[1:] == (480, 640)

@@ -63,7 +63,7 @@ def test_vit_engines_match_reference(tmp_path, vit_checkpoint, runtime, precisio
                   "--repository", str(tmp_path)]) == 0
     version_dir = tmp_path / "vit" / "1"
     meta = json.loads((version_dir / "engine.json").read_text())
-    assert meta["precision"] == precision and meta["max_abs_error_vs_torch"] <= atol
+    assert meta["precision"] == precision and meta["max_error_vs_torch"] <= atol
     encoder = ImageEncoder(version_dir)
     assert encoder.engine.name == runtime
     images = [encode(random_image(320, 240, seed=s)) for s in range(3)]

@@ -1,7 +1,10 @@
-"""The SAM engine against SamModel + SamProcessor on the same tiny checkpoint (points, a box, both, single and
-multimask output), the embedding cache (a second prompt on the same image runs no encoder; LRU by bytes), and
+"""The SAM engines (image encoder + prompt/mask decoder, built by build_engines) against SamModel + SamProcessor on
+the same tiny checkpoint (points, a box, both, a previous mask as input, single and multimask output; ONNX and
+torch.export builds), the embedding cache (a second prompt on the same image runs no encoder; LRU by bytes), and
 bad prompts refused with the reason."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,26 +13,46 @@ import torch
 from backends.errors import InvalidInput
 from backends.images import decode_image
 from backends.sam.engine import EmbeddingCache, Embedded, SamEngine
-from build_engines.checkpoints import tiny_checkpoint
-from tests.conftest import ROOT, encode, random_image
+from tests.conftest import build_engines, encode, random_image
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return tiny_checkpoint("sam", ROOT / ".checkpoints")
+def engines(repository, sam_checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """The sam version folder as `make engines` builds it (ONNX) and built for --runtime torch (the GPU path's
+    torch.export programs, here on the CPU)."""
+    torch_repository = tmp_path_factory.mktemp("torch")
+    assert build_engines(["sam", "--checkpoint", str(sam_checkpoint), "--runtime", "torch", "--device", "cpu",
+                          "--repository", str(torch_repository)]) == 0
+    return {"onnxruntime": repository / "sam" / "1", "torch": torch_repository / "sam" / "1"}
 
 
-def reference(checkpoint, data, points=None, labels=None, box=None, multimask=True):
+@pytest.fixture(scope="module")
+def engine(engines) -> SamEngine:
+    return SamEngine(engines["onnxruntime"], device="cpu")
+
+
+def reference(checkpoint, data, points=None, labels=None, box=None, multimask=True, mask_input=None):
     from transformers import SamModel, SamProcessor
 
     model, processor = SamModel.from_pretrained(checkpoint).eval(), SamProcessor.from_pretrained(checkpoint)
     inputs = processor(images=decode_image(data), input_points=None if points is None else [[points.tolist()]],
                        input_labels=None if labels is None else [[labels.tolist()]],
                        input_boxes=None if box is None else [[box.tolist()]], return_tensors="pt")
+    masks = None if mask_input is None else torch.as_tensor(mask_input)[None]
     with torch.inference_mode():
-        out = model(**inputs, multimask_output=multimask)
+        out = model(**inputs, input_masks=masks, multimask_output=multimask)
     masks = processor.post_process_masks(out.pred_masks, inputs["original_sizes"], inputs["reshaped_input_sizes"])
-    return masks[0][0].numpy(), out.iou_scores[0, 0].numpy()
+    return masks[0][0].numpy(), out.iou_scores[0, 0].numpy(), out.pred_masks[0, 0].numpy()
+
+
+def assert_same(ours, expected) -> None:
+    masks, scores, low_res = expected
+    assert ours.masks.shape == masks.shape and ours.masks.dtype == bool
+    for got, want in zip(ours.masks, masks):
+        assert (got & want).sum() / max((got | want).sum(), 1) >= 0.99
+        assert 0.05 < want.mean() < 0.95  # a real mask: neither empty nor everything
+    np.testing.assert_allclose(ours.iou_scores, scores, atol=1e-3)
+    np.testing.assert_allclose(ours.low_res_logits, low_res, atol=1e-3)
 
 
 PROMPTS = {
@@ -41,20 +64,40 @@ PROMPTS = {
 
 
 @pytest.mark.parametrize("name", PROMPTS)
-def test_masks_and_scores_equal_sam_model_and_processor(checkpoint, name):
+def test_masks_and_scores_equal_sam_model_and_processor(engine, sam_checkpoint, name):
     points, labels, box, multimask = PROMPTS[name]
     data = encode(random_image(640, 480, seed=4), "JPEG")
-    ours = SamEngine(checkpoint, device="cpu").segment(data, points, labels, box, multimask)
-    masks, scores = reference(checkpoint, data, points, labels, box[0] if box is not None else None, multimask)
-    assert ours.masks.shape == masks.shape == ((3 if multimask else 1), 480, 640) and ours.masks.dtype == bool
-    for got, want in zip(ours.masks, masks):
-        assert (got & want).sum() / max((got | want).sum(), 1) >= 0.99
-    np.testing.assert_allclose(ours.iou_scores, scores, atol=1e-3)
-    assert ours.low_res_logits.shape == ((3 if multimask else 1), 256, 256)
+    ours = engine.segment(data, points, labels, box, multimask)
+    assert ours.masks.shape == ((3 if multimask else 1), 480, 640)
+    assert_same(ours, reference(sam_checkpoint, data, points, labels, box[0] if box is not None else None, multimask))
 
 
-def test_second_prompt_on_the_same_image_skips_the_encoder(checkpoint):
-    engine = SamEngine(checkpoint, device="cpu")
+def test_a_previous_mask_refines_the_next_click(engine, sam_checkpoint):
+    """The second click of an interactive session passes the first answer's low-res logits back (mask_input)."""
+    data = encode(random_image(517, 333, seed=6), "PNG")  # odd sides: the crop rounds as SamProcessor's resize
+    points, labels = np.array([[200.0, 100.0]]), np.array([1])
+    first = engine.segment(data, points, labels, multimask=False)
+    assert_same(first, reference(sam_checkpoint, data, points, labels, multimask=False))
+    points, labels = np.array([[200.0, 100.0], [400.5, 300.0]]), np.array([1, 0])
+    refined = engine.segment(data, points, labels, multimask=False, mask_input=first.low_res_logits)
+    assert_same(refined, reference(sam_checkpoint, data, points, labels, multimask=False,
+                                   mask_input=first.low_res_logits))
+    unrefined = engine.segment(data, points, labels, multimask=False)
+    assert np.abs(refined.low_res_logits - unrefined.low_res_logits).max() > 0.1  # the mask input was used
+
+
+def test_torch_programs_equal_the_onnx_engines(engines, engine):
+    torch_engine = SamEngine(engines["torch"], device="cpu")
+    assert (torch_engine.encoder.name, engine.encoder.name) == ("torch", "onnxruntime")
+    data = encode(random_image(640, 480, seed=4), "JPEG")
+    for points, labels, box, multimask in PROMPTS.values():
+        ours, theirs = (e.segment(data, points, labels, box, multimask) for e in (torch_engine, engine))
+        assert (ours.masks != theirs.masks).mean() < 1e-3
+        np.testing.assert_allclose(ours.iou_scores, theirs.iou_scores, atol=1e-4)
+
+
+def test_second_prompt_on_the_same_image_skips_the_encoder(engines):
+    engine = SamEngine(engines["onnxruntime"], device="cpu")
     image, other = encode(random_image(300, 200, seed=1)), encode(random_image(300, 200, seed=2))
     engine.segment(image, np.array([[10.0, 10.0]]), np.array([1]))
     engine.segment(image, np.array([[150.0, 100.0]]), np.array([0]))
@@ -65,7 +108,7 @@ def test_second_prompt_on_the_same_image_skips_the_encoder(checkpoint):
 
 def test_cache_evicts_least_recently_used_by_bytes():
     def entry() -> Embedded:
-        return Embedded(torch.zeros(1, 4, 8, 8), (8, 8), (8, 8))  # 1 KiB
+        return Embedded(np.zeros((1, 4, 8, 8), np.float32), (8, 8), (8, 8))  # 1 KiB
     cache = EmbeddingCache(max_bytes=2 * 1024)
     cache.put("a", entry())
     cache.put("b", entry())
@@ -73,7 +116,7 @@ def test_cache_evicts_least_recently_used_by_bytes():
     cache.put("c", entry())
     assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
     assert (cache.evictions, cache.bytes) == (1, 2 * 1024)
-    cache.put("huge", Embedded(torch.zeros(1, 4, 32, 32), (8, 8), (8, 8)))  # larger than the whole cache
+    cache.put("huge", Embedded(np.zeros((1, 4, 32, 32), np.float32), (8, 8), (8, 8)))  # larger than the whole cache
     assert "huge" not in cache.entries and cache.bytes == 2 * 1024
 
 
@@ -90,10 +133,15 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", BAD)
-def test_bad_prompts_are_refused_with_the_reason(checkpoint, name):
+def test_bad_prompts_are_refused_with_the_reason(engine, name):
     points, labels, boxes, reason = BAD[name]
-    engine = SamEngine(checkpoint, device="cpu")
     with pytest.raises(InvalidInput, match=reason):
         engine.segment(encode(random_image(640, 480, seed=4)), points, labels, boxes)
+
+
+def test_bad_mask_input_and_corrupt_image_are_refused(engine):
+    point, label = np.array([[1.0, 1.0]]), np.array([1])
+    with pytest.raises(InvalidInput, match="mask_input must be one finite low-res mask"):
+        engine.segment(encode(random_image(64, 64)), point, label, mask_input=np.zeros((1, 64, 64), np.float32))
     with pytest.raises(InvalidInput, match="not a known image format"):
-        engine.segment(b"corrupt", np.array([[1.0, 1.0]]), np.array([1]))
+        engine.segment(b"corrupt", point, label)

@@ -3,9 +3,9 @@
 The image encoder runs once per image; the prompt encoder + mask decoder runs once per click on the cached
 embedding. The decoder takes what segment-anything's exported decoder takes: points in the 1024-px frame with labels
 (1 foreground, 0 background, 2/3 box corners, -1 padding), a low-res mask input with a has-mask flag, and the original
-image size; it returns all four masks upscaled to the original size as logits (SamProcessor's post-processing, in
-the graph), their IoU predictions and the 256 x 256 low-res logits. Which masks a request gets (the first for single
-output, the other three for multimask) is picked by the caller, as SamMaskDecoder does.
+image size, and whether to return the three multimask candidates or the single mask (an input here, a build option
+there). It returns the chosen masks upscaled to the original size as logits (SamProcessor's post-processing, in the
+graph; only the chosen masks are upscaled), their IoU predictions and their 256 x 256 low-res logits.
 """
 from __future__ import annotations
 
@@ -71,13 +71,18 @@ class SamPromptMaskDecoder(torch.nn.Module):
                       :(2 * width * self.pad_size + longest) // (2 * longest)]
         return F.interpolate(masks, (height, width), mode="bilinear", align_corners=False)
 
-    def forward(self, image_embeddings, point_coords, point_labels, mask_input, has_mask_input, orig_im_size):
+    def forward(self, image_embeddings, point_coords, point_labels, mask_input, has_mask_input, orig_im_size,
+                multimask_output):
         sparse = self.embed_points(point_coords, point_labels)
         has_mask = has_mask_input.to(image_embeddings.dtype)[:, None, None, None]
         encoder = self.prompt_encoder
         dense = has_mask * encoder.mask_embed(mask_input.to(image_embeddings.dtype)) + \
             (1 - has_mask) * encoder.no_mask_embed.weight.reshape(1, -1, 1, 1)
         low_res, iou = self.predict_masks(image_embeddings, sparse, dense)
+        multimask = multimask_output[0].item()  # SamMaskDecoder's choice: masks 1-3, or mask 0 alone
+        torch._check(multimask >= 0)
+        torch._check(multimask <= 1)
+        low_res, iou = low_res.narrow(1, multimask, 1 + 2 * multimask), iou.narrow(1, multimask, 1 + 2 * multimask)
         return self.upscale(low_res, orig_im_size), iou, low_res
 
 
@@ -96,5 +101,6 @@ def decoder_inputs(channels: int, grid: int, low_res: int, input_size: int):
                 "point_labels": torch.randint(-1, 4, (batch, points)).float(),
                 "mask_input": torch.randn(batch, 1, low_res, low_res),
                 "has_mask_input": (torch.arange(batch) % 2).float(),
-                "orig_im_size": torch.tensor([480 + batch, 640], dtype=torch.int64)}
+                "orig_im_size": torch.tensor([480 + batch, 640], dtype=torch.int64),
+                "multimask_output": torch.tensor([batch // 2 % 2])}  # verified at batch 1 and 3: both choices
     return make

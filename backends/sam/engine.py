@@ -144,7 +144,5 @@ class SamEngine:
             "point_labels": np.concatenate(codes)[None].astype(np.float32),
             "mask_input": np.zeros((1, 1, LOW_RES, LOW_RES), np.float32) if mask_input is None else mask_input[None],
             "has_mask_input": np.array([0.0 if mask_input is None else 1.0], np.float32),
-            "orig_im_size": np.array(entry.original_size, np.int64)})
-        chosen = slice(1, None) if multimask else slice(0, 1)  # as SamMaskDecoder picks
-        return Segmentation(out["masks"][0, chosen] > 0, out["iou_predictions"][0, chosen],
-                            out["low_res_masks"][0, chosen])
+            "orig_im_size": np.array(entry.original_size, np.int64), "multimask_output": np.array([int(multimask)])})
+        return Segmentation(out["masks"][0] > 0, out["iou_predictions"][0], out["low_res_masks"][0])

@@ -311,8 +311,7 @@ def tiny_sam(out: Path, hidden: int = 32, layers: int = 2, heads: int = 2, chann
     config = SamConfig(
         # initializer_range: SamVisionConfig's default (1e-10) makes an encoder whose embedding is ~0 for any image
         vision_config=SamVisionConfig(initializer_range=0.02, hidden_size=hidden, num_hidden_layers=layers,
-                                      num_attention_heads=heads,
-                                      output_channels=channels, mlp_dim=vit_mlp,
+                                      num_attention_heads=heads, output_channels=channels, mlp_dim=vit_mlp,
                                       global_attn_indexes=list(global_attn), num_pos_feats=channels // 2),
         prompt_encoder_config=SamPromptEncoderConfig(hidden_size=channels),
         mask_decoder_config=SamMaskDecoderConfig(hidden_size=channels, mlp_dim=decoder_mlp,

@@ -40,6 +40,7 @@ def test_served_masks_equal_reference_and_second_click_hits_the_cache(server, sa
             sam_checkpoint, IMAGE, points, labels, multimask=False, mask_input=first_low_res[:1])
         assert masks.shape == (1, 480, 640) and (masks[0] & expected_masks[0]).sum() >= 0.99 * (
             masks[0] | expected_masks[0]).sum()
+        np.testing.assert_allclose(scores, expected_scores, atol=1e-3)
         np.testing.assert_allclose(low_res, expected_low_res, atol=1e-3)
         assert (cache(server, "misses"), cache(server, "hits")) == (misses + 1, hits + 1)
 

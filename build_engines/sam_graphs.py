@@ -15,6 +15,13 @@ import torch.nn.functional as F
 MAX_SIDE = 32768  # largest original image side the decoder graph accepts
 
 
+def resized_side(side, height, width, longest_edge: int):
+    """A side after SamProcessor's resize, int(side * longest_edge / max(height, width) + 0.5), in integers so that
+    it traces with symbolic sizes (equal to the processor's float form: tests/unit/test_sam.py)."""
+    longest = max(height, width)
+    return (2 * side * longest_edge + longest) // (2 * longest)
+
+
 class SamImageEncoder(torch.nn.Module):
     def __init__(self, sam):
         super().__init__()
@@ -66,9 +73,8 @@ class SamPromptMaskDecoder(torch.nn.Module):
         torch._check(width >= 1)
         torch._check(height <= MAX_SIDE)
         torch._check(width <= MAX_SIDE)
-        longest = max(height, width)  # integer form of the processor's int(side * 1024 / longest + 0.5)
-        masks = masks[..., :(2 * height * self.pad_size + longest) // (2 * longest),
-                      :(2 * width * self.pad_size + longest) // (2 * longest)]
+        masks = masks[..., :resized_side(height, height, width, self.pad_size),
+                      :resized_side(width, height, width, self.pad_size)]
         return F.interpolate(masks, (height, width), mode="bilinear", align_corners=False)
 
     def forward(self, image_embeddings, point_coords, point_labels, mask_input, has_mask_input, orig_im_size,

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends.devices import DTYPES
 from build_engines.export import EngineSpec, VerificationError, build_tensorrt, export_onnx, export_torch, profile_shapes, \
     tensorrt_unavailable, verify
 from build_engines.repository import PythonModelConfig, Tensor, execution_env, sample_png, write_engine_metadata, \
     write_model
 
 BATCH = ("batch", 4096)  # dynamic batch axis of every engine (symbolic name, largest size)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class SamEngine:
         self.check_prompt(points, labels, boxes, mask_input, entry.original_size)
         (height, width), (new_height, new_width) = entry.original_size, entry.reshaped_size
         scale = np.array([new_width / width, new_height / height])  # SamProcessor's coordinate scaling
-        coords, codes = [np.zeros((0, 2))], [np.zeros(0)]
+        coords, codes = [], []
         if points is not None:
             coords.append(points * scale)
             codes.append(labels)

@@ -96,6 +96,21 @@ def test_torch_programs_equal_the_onnx_engines(engines, engine):
         np.testing.assert_allclose(ours.iou_scores, theirs.iou_scores, atol=1e-4)
 
 
+def test_integer_crop_size_equals_the_processors_resize():
+    """The decoder graph crops the padded masks with integer arithmetic; SamProcessor resizes with floats."""
+    from transformers import SamImageProcessorPil
+
+    from build_engines.sam_graphs import resized_side
+
+    processor = SamImageProcessorPil()
+    rng = np.random.default_rng(0)
+    sizes = [(h, w) for h in (1, 2, 3, 333, 517, 1024, 1025) for w in (1, 7, 480, 640, 1023, 4000)]
+    sizes += [tuple(s) for s in rng.integers(1, 40_000, (3000, 2)).tolist()]
+    for height, width in sizes:
+        assert (resized_side(height, height, width, 1024), resized_side(width, height, width, 1024)) == \
+            processor._get_preprocess_shape((height, width), 1024), (height, width)
+
+
 def test_second_prompt_on_the_same_image_skips_the_encoder(engines):
     engine = SamEngine(engines["onnxruntime"], device="cpu")
     image, other = encode(random_image(300, 200, seed=1)), encode(random_image(300, 200, seed=2))

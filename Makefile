@@ -40,5 +40,4 @@ genai-perf:       ## genai-perf in its own venv: make bench compares its LLM fig
 	  (python3 -m venv .venv-genai-perf && .venv-genai-perf/bin/pip install -q genai-perf==0.0.8)
 
 clean:
-	rm -rf logs .pytest_cache model_repository/*/config.pbtxt model_repository/*/warmup model_repository/*/labels.txt
-	find model_repository -path '*/[0-9]*/*' ! -name model.py -delete
+	rm -rf logs .pytest_cache model_repository/*/[0-9]* model_repository/*/warmup model_repository/*/labels.txt

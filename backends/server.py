@@ -2,11 +2,14 @@
 
 Used by `make serve`, `make demo`, the test fixture and perf/. It finds the binary (PATH first, e.g. the NGC
 image; else the one inside the nvidia-pytriton wheel), puts the python backend stub for the running interpreter
-next to the backend, sets the library path the stub needs, waits for readiness and shuts the server down cleanly.
+next to the backend, assembles the backend directory (the installation's backends, `python` among them, plus our
+Python-based backends `backends/mm_*`, all as links), sets the library path the stub needs, waits for readiness and
+shuts the server down cleanly.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import signal
@@ -14,6 +17,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -22,10 +26,38 @@ from importlib.util import find_spec
 from pathlib import Path
 
 
+BACKENDS = Path(__file__).resolve().parent  # our Python-based backends: BACKENDS/<name>/model.py
+DEFAULT_BACKEND_DIR = Path("/opt/tritonserver/backends")  # where an installed tritonserver (NGC image) has them
+
+
 @dataclass(frozen=True)
 class TritonInstall:
     binary: Path
-    backend_dir: Path | None  # None: the binary's built-in default (/opt/tritonserver/backends)
+    backend_dir: Path  # the installation's backends (python/ among them)
+
+
+def our_backends() -> dict[str, Path]:
+    return {p.name: p for p in sorted(BACKENDS.iterdir()) if (p / "model.py").is_file()}
+
+
+def assemble_backend_dir(install: TritonInstall) -> Path:
+    """A backend directory holding links to the installation's backends and to ours, so that a model whose config
+    says `backend: "mm_llm"` runs backends/mm_llm/model.py through the python backend. One per checkout and
+    installation; links are replaced atomically, so servers started at the same time can share it."""
+    key = hashlib.sha256(f"{BACKENDS}|{install.backend_dir}".encode()).hexdigest()[:12]
+    target = Path(tempfile.gettempdir()) / f"triton-backends-{os.getuid()}-{key}"
+    target.mkdir(exist_ok=True)
+    sources = {p.name: p for p in install.backend_dir.iterdir()} if install.backend_dir.is_dir() else {}
+    sources.update(our_backends())
+    for name, source in sources.items():
+        link = target / name
+        if link.is_symlink() and os.readlink(link) == str(source):
+            continue
+        staging = target / f".{name}.{os.getpid()}"
+        staging.unlink(missing_ok=True)
+        staging.symlink_to(source, target_is_directory=True)
+        os.replace(staging, link)
+    return target
 
 
 def find_tritonserver() -> TritonInstall:
@@ -34,7 +66,7 @@ def find_tritonserver() -> TritonInstall:
     if os.environ.get("TRITONSERVER_ROOT"):
         root = Path(os.environ["TRITONSERVER_ROOT"])
     elif on_path := shutil.which("tritonserver"):
-        return TritonInstall(Path(on_path), None)
+        return TritonInstall(Path(on_path), DEFAULT_BACKEND_DIR)
     elif (spec := find_spec("pytriton")) and spec.submodule_search_locations:
         root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     else:
@@ -88,6 +120,7 @@ class TritonServer:
     model_control: str = "none"  # none | explicit | poll
     load_models: list[str] = field(default_factory=list)  # explicit mode: models loaded at start ("*" for all)
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's (and its models') environment
     startup_timeout_s: float = 180.0
     process: subprocess.Popen | None = None
 
@@ -108,9 +141,7 @@ class TritonServer:
         cmd = [str(install.binary), f"--model-repository={Path(self.repository).resolve()}",
                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                f"--metrics-port={self.metrics_port}", f"--model-control-mode={self.model_control}",
-               "--log-verbose=0", "--exit-timeout-secs=20"]
-        if install.backend_dir is not None:
-            cmd.append(f"--backend-directory={install.backend_dir}")
+               "--log-verbose=0", "--exit-timeout-secs=20", f"--backend-directory={assemble_backend_dir(install)}"]
         cmd += [f"--load-model={name}" for name in self.load_models]
         return cmd + list(self.extra_args)
 
@@ -123,7 +154,7 @@ class TritonServer:
         self.log_file = Path(self.log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_file.open("wb")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env() | self.env,
                                         start_new_session=True)
         log.close()
         try:

@@ -1,11 +1,44 @@
-"""python -m build_engines <model> [--checkpoint DIR | --tiny | --random-init PRESET] [--runtime ...] [--precision ...]"""
+"""python -m build_engines <model> [--checkpoint DIR | --tiny | --random-init PRESET] [--runtime ...] [--precision ...]
+[--name NAME] [backend parameters such as --block-size 32 --max-batch 128]"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
+from backends.core.params import Parameters
+from backends.llm.engine import EngineConfig
+from backends.sam.engine import SamParams
+from backends.vision.anyres import AnyResParams
+from backends.vision.encoders import EncoderParams
+from backends.vision.llava_vision import VLMParams
+from backends.whisper.engine import WhisperParams
 from build_engines.checkpoints import RANDOM_INIT, TINY_ROOT, random_init_checkpoint, tiny_checkpoint
-from build_engines.targets import DEFAULT_RUNTIME, FAMILIES, BuildOptions
+from build_engines.common import BuildOptions
+from build_engines.llava import build_anyres, build_vlm
+from build_engines.llm import build_llm
+from build_engines.sam import build_sam
+from build_engines.vision import build_clip, build_vit
+from build_engines.whisper import build_whisper
+
+FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres, "vlm": build_vlm,
+            "whisper": build_whisper, "sam": build_sam}
+DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch", "vlm": "torch",
+                   "whisper": "torch", "sam": "onnxruntime"}
+SCHEMAS: dict[str, type[Parameters]] = {"vit": EncoderParams, "clip": EncoderParams, "llm": EngineConfig,
+                                         "anyres": AnyResParams, "vlm": VLMParams, "whisper": WhisperParams,
+                                         "sam": SamParams}
+SET_BY_OPTIONS = {"runtime", "device", "dtype", "prepare_threads"}  # --runtime, --device, --precision, --prepare-threads
+
+
+def schema_fields() -> dict[str, list[str]]:
+    """Backend parameter name -> the families whose schema has it (each becomes a --flag)."""
+    found: dict[str, list[str]] = {}
+    for family, schema in SCHEMAS.items():
+        for f in dataclasses.fields(schema):
+            if f.name not in SET_BY_OPTIONS:
+                found.setdefault(f.name, []).append(family)
+    return found
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -22,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"default per family: {DEFAULT_RUNTIME}")
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
+    parser.add_argument("--name", help="model name (default: the family's), e.g. a second llm from another checkpoint")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-queue-delay-us", type=int, default=2000, help="dynamic batcher window")
     parser.add_argument("--instances", type=int, default=1, help="model instances per device")
@@ -30,13 +64,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--execution-env", default="auto",
                         help="venv the python stub runs in: auto (this venv), none (system Python, e.g. NGC), or PATH")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    tuning = parser.add_argument_group("backend parameters (written to config.pbtxt, checked by the backend's schema)")
+    for name, families in sorted(schema_fields().items()):
+        tuning.add_argument("--" + name.replace("_", "-"), dest=f"param_{name}", metavar="VALUE",
+                            help=f"for {', '.join(families)}")
     args = parser.parse_args(argv)
     if args.checkpoint and args.model == "all":
         parser.error("--checkpoint needs one model family, not 'all'")
+    if args.name and args.model == "all":
+        parser.error("--name needs one model family, not 'all'")
     if args.random_init and RANDOM_INIT[args.random_init][0] != args.model:
         parser.error(f"--random-init {args.random_init} is a {RANDOM_INIT[args.random_init][0]} model, not {args.model}")
     if args.checkpoint and not (args.checkpoint / "config.json").exists():
         parser.error(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json)")
+    args.overrides = {k[len("param_"):]: v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
+    for name in args.overrides:
+        misplaced = [f for f in ([*FAMILIES] if args.model == "all" else [args.model])
+                     if name not in {f.name for f in dataclasses.fields(SCHEMAS[f])}]
+        if misplaced:
+            parser.error(f"--{name.replace('_', '-')} is not a parameter of {', '.join(misplaced)}")
     return args
 
 
@@ -49,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             checkpoint = args.checkpoint or tiny_checkpoint(family)
         opts = BuildOptions(checkpoint, args.runtime or DEFAULT_RUNTIME[family], args.precision, args.repository,
-                            args.max_batch_size, args.max_queue_delay_us, args.instances, args.device, args.execution_env,
-                            args.prepare_threads, args.force)
+                            args.max_batch_size, args.max_queue_delay_us, args.instances, args.device,
+                            args.execution_env, args.prepare_threads, args.force, args.name, args.overrides)
         try:
             FAMILIES[family](opts)
-        except RuntimeError as exc:  # unavailable runtime, failed verification: one clear line, non-zero exit
+        except (RuntimeError, ValueError) as exc:  # unavailable runtime, failed verification, bad parameter: one line
             print(f"\nbuild_engines {family}: {exc}")
             return 1
     return 0

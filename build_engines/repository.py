@@ -1,16 +1,19 @@
-"""Writes model folders: config.pbtxt rendered from Triton's own ModelConfig protobuf (unknown keys are errors),
-warm-up data, and the engine metadata the runtime layer reads."""
+"""Writes model folders: config.pbtxt rendered from Triton's own ModelConfig protobuf (unknown keys are errors) with
+the backend's typed parameters, warm-up data, and the engine metadata the runtime layer reads."""
 from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
+
+from backends.core.params import Parameters
 
 TYPES = {"BYTES": mc.TYPE_STRING, "FP32": mc.TYPE_FP32, "INT32": mc.TYPE_INT32, "INT64": mc.TYPE_INT64,
          "BOOL": mc.TYPE_BOOL}
@@ -27,21 +30,24 @@ class Tensor:
 
 @dataclass
 class PythonModelConfig:
-    """A python-backend model's serving settings; `render()` gives the config.pbtxt text."""
+    """A model served by one of our Python-based backends (backends/<backend>/model.py); `render()` gives the
+    config.pbtxt text."""
 
     name: str
+    backend: str
     inputs: list[Tensor]
     outputs: list[Tensor]
+    parameters: Parameters
+    execution_env: str | None = None  # EXECUTION_ENV_PATH: the venv the python stub runs in
     max_batch_size: int = 64
     max_queue_delay_us: int | None = 2000  # None: no dynamic batcher
     instances: int = 1
     kind: str = "KIND_CPU"
-    parameters: dict[str, str] = field(default_factory=dict)
     warmup_file: str | None = None  # a file under <model>/warmup/ holding one serialized BYTES element
-    decoupled: bool = False  # streaming: any number of responses per request (gRPC streaming only)
+    decoupled: bool = False  # streaming: any number of responses per request (gRPC streaming and HTTP SSE)
 
     def render(self) -> str:
-        config = mc.ModelConfig(name=self.name, backend="python", max_batch_size=self.max_batch_size)
+        config = mc.ModelConfig(name=self.name, backend=self.backend, max_batch_size=self.max_batch_size)
         for spec, tensors in ((config.input, self.inputs), (config.output, self.outputs)):
             for t in tensors:
                 added = spec.add(name=t.name, data_type=TYPES[t.dtype], dims=t.dims)
@@ -54,7 +60,10 @@ class PythonModelConfig:
         if self.decoupled:
             config.model_transaction_policy.decoupled = True
         config.instance_group.add(count=self.instances, kind=getattr(mc.ModelInstanceGroup, self.kind))
-        for key, value in sorted(self.parameters.items()):
+        parameters = self.parameters.to_config()
+        if self.execution_env:
+            parameters["EXECUTION_ENV_PATH"] = self.execution_env
+        for key, value in sorted(parameters.items()):
             config.parameters[key].string_value = value
         if self.warmup_file:
             warmup = config.model_warmup.add(name=f"{self.inputs[0].name}_sample", batch_size=1)
@@ -80,12 +89,16 @@ def sample_png(size: tuple[int, int] = (320, 240)) -> bytes:
     return buf.getvalue()
 
 
-def execution_env(choice: str) -> str | None:
-    """EXECUTION_ENV_PATH for the python stub: the stub ignores PYTHONPATH/venvs, so point it at ours."""
+def execution_env(choice: str, model_folder: Path) -> str | None:
+    """EXECUTION_ENV_PATH for the python stub (it ignores PYTHONPATH and venvs, so point it at ours). `auto`: this
+    venv, relative to the model folder through the python backend's $$TRITON_MODEL_DIRECTORY, so a repository and
+    the venv beside it can move together (and the committed configs hold no machine's paths)."""
     if choice == "none":
         return None
     if choice == "auto":
-        return sys.prefix if sys.prefix != sys.base_prefix else None
+        if sys.prefix == sys.base_prefix:
+            return None
+        return "$$TRITON_MODEL_DIRECTORY/" + os.path.relpath(sys.prefix, Path(model_folder).resolve())
     return str(Path(choice).resolve())
 
 

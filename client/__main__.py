@@ -1,19 +1,72 @@
-"""python -m client [--url URL] [--protocol http|grpc] {classify,embed,similarity,generate,transcribe,segment} ..."""
+"""python -m client [--url HOST:PORT] [--protocol http|grpc] COMMAND ...: the bundle's models from a shell.
+
+Talks to a running tritonserver (`make serve`). Without --url it uses localhost:$HTTP_PORT (default 8000) for http and
+localhost:$GRPC_PORT (default 8001) for grpc, the ports `make serve` listens on. The protocol is http, except for
+generate, which defaults to grpc. Failures print one `error: ...` line and exit with status 1.
+"""
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+from tritonclient.utils import InferenceServerException
 
-from client.sdk import Client
+from client.sdk import Client, default_url
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
-    parser.add_argument("--protocol", choices=["http", "grpc"], default="http")
-    parser.add_argument("--url", help="host:port (default localhost:8000 for http, localhost:8001 for grpc)")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    protocol = args.protocol or ("grpc" if args.command == "generate" else "http")
+    url = args.url or default_url(protocol)
+    try:
+        with Client(url, protocol) as client:
+            run(parser, args, client)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # a CLI user wants the reason, not a traceback
+        print(f"error: {describe(error, url, protocol)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def describe(error: Exception, url: str, protocol: str) -> str:
+    """One line saying what went wrong; a refused connection also says where the CLI looked and how to point it."""
+    if _is_unreachable(error):
+        variable = "HTTP_PORT" if protocol == "http" else "GRPC_PORT"
+        return (f"the server at {url} ({protocol}) is not reachable; is tritonserver running (`make serve`)? "
+                f"Set {variable} or pass --url HOST:PORT")
+    if isinstance(error, InferenceServerException):
+        text = error.message() or str(error)
+    elif isinstance(error, OSError) and error.strerror and error.filename:
+        text = f"{error.strerror}: {error.filename}"
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
+
+
+def _is_unreachable(error: Exception) -> bool:
+    """Nothing listens at the URL (or its host is unknown): HTTP raises the socket's error, gRPC an UNAVAILABLE
+    "failed to connect" / "DNS resolution failed" InferenceServerException."""
+    if isinstance(error, (ConnectionRefusedError, socket.gaierror)):
+        return True
+    if isinstance(error, InferenceServerException):
+        message = (error.message() or "").lower()
+        return "failed to connect" in message or "dns resolution failed" in message
+    return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--protocol", choices=["http", "grpc"],
+                        help="default: grpc for generate, http for the other commands")
+    parser.add_argument("--url", metavar="HOST:PORT", help="tritonserver to call (default localhost:$HTTP_PORT, 8000, "
+                                                           "for http; localhost:$GRPC_PORT, 8001, for grpc)")
     sub = parser.add_subparsers(dest="command", required=True)
     classify = sub.add_parser("classify", help="top-k labels from vit")
     classify.add_argument("images", nargs="+", type=Path)
@@ -24,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     similarity = sub.add_parser("similarity", help="score one image against texts with the clip pipeline")
     similarity.add_argument("image", type=Path)
     similarity.add_argument("texts", nargs="+")
-    generate = sub.add_parser("generate", help="text from the llm model (gRPC streaming)")
+    generate = sub.add_parser("generate", help="text from the llm model, or vlm with --image")
     generate.add_argument("prompt")
+    generate.add_argument("--image", type=Path, help="ask the vlm model about this image (over grpc, the default)")
+    generate.add_argument("--model", help="another generating model (default: llm, or vlm with --image)")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     generate.add_argument("--temperature", type=float)
@@ -33,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-k", type=int)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    tile = sub.add_parser("tile", help="LLaVA-NeXT tiles and visual token count of an image from anyres")
+    tile.add_argument("image", type=Path)
     transcribe = sub.add_parser("transcribe", help="speech to text with the whisper model")
     transcribe.add_argument("audio", type=Path, help="WAV, FLAC, OGG, ... file")
     transcribe.add_argument("--language", help="language code, e.g. en (default: detected)")
@@ -44,13 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     segment.add_argument("--background", action="append", default=[], help="x,y not on the object (repeatable)")
     segment.add_argument("--box", help="x0,y0,x1,y1 around the object")
     segment.add_argument("--out", type=Path, help="overlay PNG (default: IMAGE.mask.png)")
-    args = parser.parse_args(argv)
-    if args.command == "generate":
-        args.protocol = "grpc"  # decoupled models answer over gRPC streaming only
-    url = args.url or ("localhost:8000" if args.protocol == "http" else "localhost:8001")
-    with Client(url, args.protocol) as client:
-        run(parser, args, client)
-    return 0
+    return parser
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Client) -> None:
@@ -70,9 +121,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
     elif args.command == "generate":
         optional = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
                                       ("seed", args.seed), ("stop", args.stop)) if v is not None}
-        for delta in client.generate(args.prompt, args.max_tokens, stream=args.stream, **optional):
-            print(_terminal_safe(delta), end="", flush=True)
-        print()
+        image = args.image.read_bytes() if args.image else None
+        _print_stream(client.generate(args.prompt, args.max_tokens, stream=args.stream, model=args.model,
+                                      image=image, **optional))
+    elif args.command == "tile":
+        pixels, tokens = client.tile(args.image.read_bytes())
+        print(f"{args.image}: {pixels.shape[0]} tiles of {pixels.shape[-1]}x{pixels.shape[-2]} pixels, "
+              f"{tokens} visual tokens")
     elif args.command == "segment":
         points = [_floats(p, 2) for p in args.point + args.background]
         labels = [1] * len(args.point) + [0] * len(args.background)
@@ -94,10 +149,24 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
             print(f"{prob:6.3f}  (logit {score:7.3f})  {text}")
 
 
+def _print_stream(deltas: Iterator[str]) -> None:
+    """Deltas as they arrive; a stream failing midway still ends its line, so the error line starts clean."""
+    started = False
+    try:
+        for delta in deltas:
+            started = True
+            print(_terminal_safe(delta), end="", flush=True)
+    except BaseException:
+        if started:
+            print(flush=True)
+        raise
+    print()
+
+
 def _floats(text: str, count: int) -> tuple[float, ...]:
     values = tuple(float(v) for v in text.split(","))
     if len(values) != count:
-        raise SystemExit(f"expected {count} comma-separated numbers, got {text!r}")
+        raise ValueError(f"expected {count} comma-separated numbers, got {text!r}")
     return values
 
 

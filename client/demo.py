@@ -47,6 +47,9 @@ def main() -> int:
                                             "a photo of a dog", "a red car", "a tree on grass"]),
             ("generation (llm, gRPC streaming)", ["--url", server.grpc_url, "generate", "a photo of the cat",
                                                   "--max-tokens", "24", "--stream"]),
+            ("image tiling (anyres, HTTP)", ["--url", server.http_url, "tile", str(image)]),
+            ("visual question (vlm, gRPC streaming)", ["--url", server.grpc_url, "generate", "what is in this picture?",
+                                                       "--image", str(image), "--max-tokens", "16", "--stream"]),
             ("speech recognition (whisper, HTTP)", ["--url", server.http_url, "transcribe",
                                                     str(sample_speech(Path(tmp) / "tone.wav")), "--max-tokens", "16"]),
             ("segmentation (sam, HTTP; writes a PNG overlay)", ["--url", server.http_url, "segment", str(image),
@@ -54,7 +57,8 @@ def main() -> int:
         ]
         for title, args in steps:
             print(f"\n== {title}: python -m client {' '.join(args)}", flush=True)
-            cli(args)
+            if cli(args) != 0:  # the CLI printed why
+                return 1
         print("\n(tiny random-init models: labels, scores and text are not meaningful; the serving path is real)")
     print("tritonserver stopped")
     return 0

@@ -1,12 +1,32 @@
-"""A small typed SDK over tritonclient: the same calls over HTTP or gRPC, errors as tritonclient raises them."""
+"""A small typed SDK over tritonclient: the same calls over HTTP or gRPC, errors as tritonclient raises them.
+
+Without a URL the client talks to localhost on the port `make serve` uses: $HTTP_PORT (default 8000) for HTTP,
+$GRPC_PORT (default 8001) for gRPC.
+"""
 from __future__ import annotations
 
+import http.client
+import json
+import os
 import queue
+import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
+from tritonclient.utils import InferenceServerException
+
+# protocol -> (environment variable `make serve` reads, Triton's default port)
+DEFAULT_PORTS = {"http": ("HTTP_PORT", 8000), "grpc": ("GRPC_PORT", 8001)}
+
+
+def default_url(protocol: str = "http") -> str:
+    """localhost on the port `make serve` listens on for `protocol`, so `HTTP_PORT=18000 make serve` needs no --url."""
+    if protocol not in DEFAULT_PORTS:
+        raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
+    variable, port = DEFAULT_PORTS[protocol]
+    return f"localhost:{os.environ.get(variable) or port}"
 
 
 @dataclass(frozen=True)
@@ -17,9 +37,10 @@ class Label:
 
 
 class Client:
-    """`Client("localhost:8000")` (HTTP) or `Client("localhost:8001", protocol="grpc")`."""
+    """`Client("localhost:8000")` (HTTP) or `Client("localhost:8001", protocol="grpc")`; no URL: `default_url`."""
 
-    def __init__(self, url: str = "localhost:8000", protocol: str = "http", timeout_s: float = 60.0):
+    def __init__(self, url: str | None = None, protocol: str = "http", timeout_s: float = 60.0):
+        url = url or default_url(protocol)
         if protocol == "http":
             import tritonclient.http as api
 
@@ -30,7 +51,7 @@ class Client:
             self.triton = api.InferenceServerClient(url)
         else:
             raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
-        self.api, self.protocol = api, protocol
+        self.api, self.protocol, self.url = api, protocol, url
 
     def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], class_count: int = 0) -> dict:
         """One request; `inputs` maps tensor names to arrays (object arrays of bytes become BYTES)."""
@@ -94,19 +115,40 @@ class Client:
         out = self.infer("sam", inputs, ["masks", "iou_scores", "low_res_logits"])
         return out["masks"], out["iou_scores"], out["low_res_logits"]
 
-    def generate(self, prompt: str, max_tokens: int = 64, stream: bool = True, model: str = "llm",
-                 timeout_s: float = 300.0, **optional) -> Iterator[str]:
-        """Text from a decoupled generating model over gRPC streaming: deltas as they arrive (stream=True) or the
-        whole answer once. `optional`: temperature, top_k, top_p, seed, stop, min_length. Errors raise."""
-        if self.protocol != "grpc":
-            raise ValueError("generation streams over gRPC only (decoupled models): use protocol='grpc'")
+    def tile(self, image: bytes) -> tuple[np.ndarray, int]:
+        """(pixel_values [T, 3, S, S], num_image_tokens) of one encoded image from `anyres`: the LLaVA-NeXT tiles
+        and how many visual tokens `<image>` expands into for it."""
+        out = self.infer("anyres", {"image": np.array([image], dtype=object)}, ["pixel_values", "num_image_tokens"])
+        return out["pixel_values"], int(out["num_image_tokens"].reshape(-1)[0])
+
+    def generate(self, prompt: str, max_tokens: int = 64, stream: bool = True, model: str | None = None,
+                 timeout_s: float = 300.0, image: bytes | None = None, **optional) -> Iterator[str]:
+        """Text from a decoupled generating model: deltas as they arrive (stream=True) or the whole answer once.
+        The model is `llm`, or `vlm` when `image` (an encoded file) is given, unless `model` names another. gRPC
+        streams bidirectionally; HTTP uses Triton's generate_stream endpoint (no images: JSON carries no bytes).
+        `optional`: temperature, top_k, top_p, seed, stop, min_length. Bad arguments raise here, errors from the
+        server while iterating; `timeout_s` bounds the wait for each response."""
+        model = model or ("vlm" if image is not None else "llm")
+        arrays = generation_arrays(prompt, max_tokens, stream, image, **optional)
+        if self.protocol == "http":
+            return http_generate_stream(self.url, model, generate_request_body(arrays), timeout_s)
+        return self._stream_grpc(model, infer_inputs(self.api, arrays), timeout_s)
+
+    def _stream_grpc(self, model: str, inputs: list, timeout_s: float) -> Iterator[str]:
+        """Non-empty `text_output`s of one request on a gRPC stream, until Triton flags the final response."""
         responses: queue.Queue = queue.Queue()
         self.triton.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
-            self.triton.async_stream_infer(model, generation_inputs(self.api, prompt, max_tokens, stream, **optional),
-                                           request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+            try:
+                self.triton.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex,
+                                               enable_empty_final_response=True)
+            except InferenceServerException as error:
+                raise _reported_error(responses, error) from None
             while True:
-                result, error = responses.get(timeout=timeout_s)
+                try:
+                    result, error = responses.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise TimeoutError(f"no response from {model} within {timeout_s:g} s") from None
                 if error is not None:
                     raise error
                 text = result.as_numpy("text_output")
@@ -127,21 +169,95 @@ class Client:
         self.close()  # an open keep-alive connection holds Triton's shutdown for its whole exit timeout
 
 
-# optional generation inputs and their dtypes (tensorrtllm_backend names; see backends/generation.py)
+# optional generation inputs and their dtypes (tensorrtllm_backend names; see backends/llm/requests.py)
 GENERATION_OPTIONAL = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "seed": np.int64,
                        "min_length": np.int32, "stop": object}
 
 
 def generation_inputs(api, prompt: str, max_tokens: int, stream: bool = True, **optional) -> list:
     """`llm` request tensors for tritonclient `api` (grpc or grpc.aio); `optional`: temperature=0.7, stop=["."], ..."""
+    return infer_inputs(api, generation_arrays(prompt, max_tokens, stream, **optional))
+
+
+def generation_arrays(prompt: str, max_tokens: int, stream: bool = True, image: bytes | None = None,
+                      **optional) -> dict[str, np.ndarray]:
+    """Named [1]-shaped arrays (no batch dimension: generating models have max_batch_size 0) of one generation
+    request; with `image` (an encoded file) they are `vlm`'s inputs."""
     arrays = {"text_input": np.array([prompt.encode()], dtype=object),
               "max_tokens": np.array([max_tokens], dtype=np.int32), "stream": np.array([stream])}
+    if image is not None:
+        arrays["image"] = np.array([image], dtype=object)
     for name, value in optional.items():
         if name not in GENERATION_OPTIONAL:
             raise ValueError(f"unknown generation input {name!r}; known: {sorted(GENERATION_OPTIONAL)}")
         values = [v.encode() for v in value] if name == "stop" else [value]
         arrays[name] = np.array(values, dtype=GENERATION_OPTIONAL[name])
-    return infer_inputs(api, arrays)
+    return arrays
+
+
+def generate_request_body(arrays: dict[str, np.ndarray]) -> dict:
+    """The JSON body Triton's generate endpoints take: one key per input, a scalar for [1] inputs, a list for stop.
+    Raw image bytes have no JSON form the server would decode, hence the refusal."""
+    if "image" in arrays:
+        raise ValueError("generate with an image needs protocol='grpc' (Triton's HTTP generate endpoint takes JSON "
+                         "strings and numbers, not image bytes); use Client(url, protocol='grpc') or --protocol grpc")
+    body = {}
+    for name, array in arrays.items():
+        values = [v.decode() if isinstance(v, bytes) else v for v in array.reshape(-1).tolist()]
+        body[name] = values if name == "stop" else values[0]
+    return body
+
+
+def http_generate_stream(url: str, model: str, body: dict, timeout_s: float = 300.0) -> Iterator[str]:
+    """Deltas from POST /v2/models/<model>/generate_stream at `url` (host:port), read event by event so each token
+    is yielded as it arrives; errors raise InferenceServerException with the server's message."""
+    connection = http.client.HTTPConnection(url, timeout=timeout_s)
+    try:
+        connection.request("POST", f"/v2/models/{urllib.parse.quote(model, safe='')}/generate_stream",
+                           body=json.dumps(body).encode(),
+                           headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise InferenceServerException(http_error_message(response.status, response.reason, response.read()),
+                                           status=str(response.status))
+        yield from generated_texts(server_sent_events(response))
+    finally:
+        connection.close()
+
+
+def http_error_message(status: int, reason: str, body: bytes) -> str:
+    """The server's {"error": ...} message of a refused request, else what the status line says."""
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        text = body.decode("utf-8", "replace").strip()
+        return f"HTTP {status} {reason}" + (f": {text}" if text else "")
+
+
+def server_sent_events(lines: Iterable[bytes]) -> Iterator[dict]:
+    """JSON payloads of Server-Sent Events: the `data:` lines up to a blank line make one event. Other fields and
+    comments carry nothing Triton sends."""
+    data: list[str] = []
+    for raw in lines:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        elif not line and data:
+            yield json.loads("\n".join(data))
+            data = []
+    if data:  # a stream cut after the last data line
+        yield json.loads("\n".join(data))
+
+
+def generated_texts(events: Iterable[dict]) -> Iterator[str]:
+    """Non-empty `text_output`s of generate_stream events; an error event raises (it can follow a 200 status)."""
+    for event in events:
+        if "error" in event:
+            raise InferenceServerException(str(event["error"]))
+        text = event.get("text_output")
+        text = "".join(text) if isinstance(text, list) else text
+        if text:
+            yield text
 
 
 def infer_inputs(api, arrays: dict[str, np.ndarray]) -> list:
@@ -153,6 +269,17 @@ def infer_inputs(api, arrays: dict[str, np.ndarray]) -> list:
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
     return tensors
+
+
+def _reported_error(responses: queue.Queue, fallback: InferenceServerException,
+                    wait_s: float = 5.0) -> InferenceServerException:
+    """A stream that died before the request went out (server down) reports why through the callback, racing the
+    vaguer "stream is no longer in valid state" that async_stream_infer raises: prefer the callback's error."""
+    try:
+        _, error = responses.get(timeout=wait_s)
+    except queue.Empty:
+        return fallback
+    return error or fallback
 
 
 def _bytes_column(items: list[bytes]) -> np.ndarray:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from backends.vision.encoders import EncoderParams
 from backends.server import TritonServer, free_port
-from backends.triton_model import model_parameters
 from perf.analyzer import run_perf_analyzer, sweep
 from perf.baseline import in_process_throughput
 from perf.inputs import IMAGE_SETS, model_input_data, model_items
@@ -33,7 +33,7 @@ def bench_model(model: str, server: TritonServer, repository: Path, results: Pat
     config = client.get_model_config(model, as_json=True)["config"]
     client.close()
     batch = max(concurrency)
-    baseline = in_process_throughput(repository / model / "1", model_parameters(config),
+    baseline = in_process_throughput(repository / model / "1", EncoderParams.from_model_config(config),
                                      model_items(model, image_set), batch)
     inputs = "" if model == "clip_text" else f"Image set `{image_set}`: {IMAGE_SETS[image_set]}. "
     notes = [inputs + f"Engine: runtime {config['parameters']['runtime']['string_value']}, "

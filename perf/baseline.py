@@ -7,15 +7,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from backends.encoders import ImageEncoder, TextEncoder, prepare_requests
+from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder, prepare_requests
 
 
-def in_process_throughput(version_dir: Path, params: dict[str, str], items: list[bytes], batch: int,
+def in_process_throughput(version_dir: Path, params: EncoderParams, items: list[bytes], batch: int,
                           seconds: float = 3.0) -> float:
     """Items/s of prepare + infer over `batch`-sized groups cycling through all `items` (as perf_analyzer cycles
     through its input data), for about `seconds`."""
     encoder = (TextEncoder if (version_dir / "tokenizer").exists() else ImageEncoder)(version_dir, params)
-    pool = ThreadPoolExecutor(int(params.get("prepare_threads", 4)))  # as the Triton adapter does
+    pool = ThreadPoolExecutor(params.prepare_threads)  # as the backend does
     stream = itertools.cycle(items)
 
     def next_batch() -> list[list[bytes]]:  # a dynamic batch of one-item requests

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from backends.generation import SamplingParams
-from backends.devices import DTYPES
+from backends.llm.sampling import SamplingParams
+from backends.core.devices import DTYPES
 from backends.llm.engine import EngineConfig, EngineStats, LLMEngine
 from build_engines.checkpoints import byte_level_tokenizer, tiny_checkpoint
 from perf.report import hardware_line, stem, write_table

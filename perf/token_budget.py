@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from backends.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler, grid_pinpoints, image_processor_config, \
+from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler, grid_pinpoints, image_processor_config, \
     tiler_from_checkpoint
 from perf.report import write_table
 
@@ -45,9 +45,9 @@ def budget_rows() -> list[list]:
 
 def pruning_rows(keep_ratio: float = 0.5, max_tokens: int = 16) -> list[list]:
     """Greedy answers of the tiny LLaVA-NeXT with all visual tokens and with `keep_ratio` of the tiles' tokens."""
-    from backends.generation import SamplingParams
-    from backends.images import ImagePreprocessor
-    from backends.llava_vision import LlavaVision
+    from backends.llm.sampling import SamplingParams
+    from backends.media.images import ImagePreprocessor
+    from backends.vision.llava_vision import LlavaVision
     from backends.llm.engine import EngineConfig, LLMEngine
     from build_engines.checkpoints import tiny_checkpoint
     from perf.inputs import IMAGE_SET, photo_like

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import string
 import threading
 import time
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.errors import InvalidInput
-from backends.generation import GENERATION_INPUTS, check_request_parameters, read_generation_request
-from backends.triton_model import model_parameters, optional_input
+from backends.core.adapter import TritonBackend
+from backends.core.params import Parameters, bounded
+from backends.llm.requests import GENERATION_INPUTS, OPTIONS_HINT, read_generation_request
 
 ALPHABET = string.ascii_lowercase  # one byte-level token each
 
@@ -35,14 +34,18 @@ class _Stream:
     text: list[str] = field(compare=False, default_factory=list)
 
 
-class TokenStreamModel:
-    def initialize(self, args: dict) -> None:
-        import triton_python_backend_utils as pb_utils
+@dataclass(frozen=True)
+class TokenStreamParams(Parameters):
+    first_token_ms: float = bounded(20.0, 0)
+    token_interval_ms: float = bounded(5.0, 0)
 
-        self.pb = pb_utils
-        params = model_parameters(json.loads(args["model_config"]))
-        self.first_token_s = float(params.get("first_token_ms", "20")) / 1e3
-        self.interval_s = float(params.get("token_interval_ms", "5")) / 1e3
+
+class TokenStreamModel(TritonBackend[TokenStreamParams]):
+    Params = TokenStreamParams
+
+    def setup(self) -> None:
+        self.first_token_s = self.params.first_token_ms / 1e3
+        self.interval_s = self.params.token_interval_ms / 1e3
         self.heap: list[_Stream] = []
         self.order = itertools.count()
         self.wake = threading.Condition()
@@ -55,12 +58,10 @@ class TokenStreamModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                check_request_parameters(request.parameters())
-                ask = read_generation_request(
-                    lambda name: optional_input(self.pb, request, name), max_tokens_limit=1_000_000)
-            except InvalidInput as e:
-                sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e), self.pb.TritonError.INVALID_ARG)),
-                            flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.check_parameters(request, hint=OPTIONS_HINT)
+                ask = read_generation_request(self.inputs(request), max_tokens_limit=1_000_000)
+            except Exception as e:
+                sender.send(self.error_response(e), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             with self.wake:
                 heapq.heappush(self.heap, _Stream(now + self.first_token_s, next(self.order), request, sender,
@@ -112,12 +113,11 @@ def write_token_stream_model(repository: Path, first_token_ms: float = 20, token
     """A repository folder holding `token_stream` (its config names this venv as the stub's environment)."""
     from build_engines.repository import PythonModelConfig, Tensor, execution_env, write_model
 
-    env = execution_env("auto")
     config = PythonModelConfig(
-        "token_stream", [Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS],
-        [Tensor("text_output", "BYTES", [1])], max_batch_size=0, max_queue_delay_us=None, decoupled=True,
-        parameters={"first_token_ms": f"{first_token_ms:g}", "token_interval_ms": f"{token_interval_ms:g}",
-                    **({"EXECUTION_ENV_PATH": env} if env else {})})
+        "token_stream", "python", [Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS],
+        [Tensor("text_output", "BYTES", [1])], TokenStreamParams(first_token_ms, token_interval_ms),
+        execution_env("auto", repository / "token_stream"), max_batch_size=0, max_queue_delay_us=None,
+        decoupled=True)
     folder = write_model(repository, config)
     (folder / "1" / "model.py").write_text(MODEL_PY)
     return folder

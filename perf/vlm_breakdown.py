@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from backends import device_images
-from backends.anyres import image_processor_config, tiler_from_checkpoint
-from backends.generation import SamplingParams
-from backends.images import ImagePreprocessor, decode_image
-from backends.llava_vision import LlavaVision
+from backends.media import device_images
+from backends.vision.anyres import image_processor_config, tiler_from_checkpoint
+from backends.llm.sampling import SamplingParams
+from backends.media.images import ImagePreprocessor, decode_image
+from backends.vision.llava_vision import LlavaVision
 from backends.llm.engine import EngineConfig, LLMEngine
-from backends.vlm_model import expand_placeholder
+from backends.vision.llava_vision import expand_placeholder
 from perf.inputs import encoded_images
 from perf.report import hardware_line, stem
 

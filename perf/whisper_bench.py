@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from backends.audio import decode_audio
+from backends.media.audio import decode_audio
 from backends.server import TritonServer, free_port
 from perf.analyzer import sweep
 from perf.gpu import served_device

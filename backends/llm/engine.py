@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from backends.devices import DTYPES, resolve_device
-from backends.errors import InvalidInput
-from backends.generation import SamplingParams
+from backends.core.devices import DTYPES, resolve_device
+from backends.core.errors import InvalidInput
+from backends.core.params import Parameters, bounded, choice, device
+from backends.llm.sampling import SamplingParams
 from backends.llm.attention import AttentionMetadata
 from backends.llm.detokenizer import append_text, flush_text
 from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
@@ -33,34 +34,29 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    dtype: str = "bf16"
-    device: str = "auto"  # auto: cuda when available
-    block_size: int = 16
-    max_batch: int = 64  # sequences running at once
-    max_prefill_tokens: int = 8192  # prompt tokens in one prefill step (one longer prompt still runs alone)
-    max_model_len: int | None = None  # prompt + output; default: the checkpoint's max_position_embeddings
-    kv_cache_memory_mb: int | None = None  # default: 256 MiB on CPU; on GPU what gpu_memory_utilization leaves
-    kv_cache_blocks: int | None = None  # an exact block count instead of a memory budget
-    gpu_memory_utilization: float = 0.9
+class EngineConfig(Parameters):
+    """The engine's settings; also the `mm_llm` backend's model-config parameters (build_engines writes them)."""
+
+    dtype: str = choice("bf16", *(d for d in DTYPES if d != "bf16"))
+    device: str = device()  # auto: cuda when available
+    block_size: int = bounded(16, 1)
+    max_batch: int = bounded(64, 1)  # sequences running at once
+    max_prefill_tokens: int = bounded(8192, 1)  # prompt tokens in one prefill step (one longer prompt still runs alone)
+    max_model_len: int | None = bounded(None, 1)  # prompt + output; default: the checkpoint's max_position_embeddings
+    kv_cache_memory_mb: int | None = bounded(None, 1)  # default: 256 MiB on CPU; on GPU what gpu_memory_utilization leaves
+    kv_cache_blocks: int | None = bounded(None, 1)  # an exact block count instead of a memory budget
+    gpu_memory_utilization: float = bounded(0.9, 0, 1, low_open=True)
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only)
-    graph_max_context: int = 4096  # longest context a graph covers; longer decode steps run eagerly
+    graph_max_context: int = bounded(4096, 1)  # longest context a graph covers; longer decode steps run eagerly
     compile_kernels: bool = True  # torch.compile the elementwise kernels (norms, rotary, SiLU): CUDA only
 
-    @classmethod
-    def from_params(cls, params: dict[str, str]) -> EngineConfig:
-        """From Triton model-config parameters (strings); unknown keys are ignored, bad values raise ValueError."""
-        kinds = {"dtype": str, "device": str, "block_size": int, "max_batch": int, "max_prefill_tokens": int,
-                 "max_model_len": int, "kv_cache_memory_mb": int, "kv_cache_blocks": int,
-                 "gpu_memory_utilization": float, "cuda_graphs": _flag, "graph_max_context": int,
-                 "compile_kernels": _flag}
-        return cls(**{k: kinds[k](v) for k, v in params.items() if k in kinds and v != ""})
 
+class StepFailed(RuntimeError):
+    """The model step itself failed; `seqs` are the sequences that were in it (the caller decides their fate)."""
 
-def _flag(value: str) -> bool:
-    if value.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value.lower() in ("true", "1")
+    def __init__(self, seqs: list[Sequence]):
+        super().__init__(f"a step of {len(seqs)} sequences failed")
+        self.seqs = seqs
 
 
 @dataclass
@@ -195,8 +191,11 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
-        tokens = sample(logits, seqs, self.eos_ids)
+        try:
+            logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+            tokens = sample(logits, seqs, self.eos_ids)
+        except Exception as e:
+            raise StepFailed(seqs) from e
         if is_prefill:
             self.stats.prefill_steps += 1
         else:
@@ -204,7 +203,15 @@ class LLMEngine:
             self.stats.decode_tokens += len(seqs)
             self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(seqs))
         for seq, token in zip(seqs, tokens):
-            self._append(seq, token)
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                self._append(seq, token)
+            except Exception as e:  # this sequence's own failure (its sampling, its text) ends it alone
+                log.error("sequence %s failed", seq.request_id or seq.seq_id, exc_info=e)
+                seq.error = e
+                if not seq.finished:
+                    self._finish(seq, "error")
         return seqs
 
     def _append(self, seq: Sequence, token: int) -> None:

@@ -2,23 +2,50 @@
 generator (so a seeded request draws the same tokens whatever it is batched with)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from backends.llm.sequence import Sequence
+if TYPE_CHECKING:
+    from backends.llm.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int]:
-    """logits: [B, vocab] float32 for the last position of each sequence."""
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    min_tokens: int = 0  # EOS is ignored until this many tokens were produced
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int | Exception]:
+    """logits: [B, vocab] float32 for the last position of each sequence. A row whose sampling fails gets its
+    exception instead of a token: it belongs to that sequence alone."""
     for row, seq in enumerate(seqs):  # EOS is not a choice before min_tokens
         if eos_ids and len(seq.output_ids) < seq.sampling.min_tokens:
             logits[row, list(eos_ids)] = float("-inf")
     tokens = logits.argmax(dim=-1)
+    failed: dict[int, Exception] = {}
     sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
     if sampled:
         tokens = tokens.clone()
         for i in sampled:
-            tokens[i] = _sample_row(logits[i], seqs[i])
-    return tokens.tolist()
+            try:
+                tokens[i] = _sample_row(logits[i], seqs[i])
+            except Exception as e:
+                failed[i] = e
+    chosen: list[int | Exception] = tokens.tolist()  # one device sync for the whole batch
+    for i, error in failed.items():
+        chosen[i] = error
+    return chosen
 
 
 def _sample_row(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

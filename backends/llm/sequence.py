@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.generation import SamplingParams
+from backends.llm.sampling import SamplingParams
 
 _ids = itertools.count()
 
@@ -31,7 +31,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading tokens whose keys and values are in the cache
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "length", "stop" (EOS or a stop string), "cancelled"
+    finish_reason: str | None = None  # "length", "stop" (EOS or a stop string), "cancelled", "error"
+    error: Exception | None = None  # why this sequence failed (finish_reason "error")
     preemptions: int = 0
     generator: torch.Generator | None = None  # seeded per request, so sampling is reproducible in any batch
     embeds: torch.Tensor | None = None  # [n, hidden] input embeddings (image features) for the prompt positions:

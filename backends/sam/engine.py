@@ -15,11 +15,22 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.errors import InvalidInput
-from backends.images import DEFAULT_MAX_PIXELS, decode_image
-from backends.runtime import load_runtime
+from backends.core.errors import InvalidInput
+from backends.core.params import Parameters, bounded, choice, device
+from backends.core.runtime import RUNTIMES, load_runtime
+from backends.media.images import DEFAULT_MAX_PIXELS, decode_image
 
 LOW_RES = 256  # side of the decoder's low-res masks (and of mask_input)
+
+
+@dataclass(frozen=True)
+class SamParams(Parameters):
+    """The `mm_sam` backend's parameters."""
+
+    runtime: str = choice("auto", *RUNTIMES)
+    device: str = device()
+    embedding_cache_mb: int = bounded(1024, 0)  # host memory for cached image embeddings
+    max_points: int = bounded(64, 1)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.audio import SAMPLE_RATE
+from backends.media.audio import SAMPLE_RATE
 
 CHUNK_S, STRIDE_S = 30.0, 5.0
 

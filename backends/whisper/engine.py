@@ -18,11 +18,30 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.devices import DTYPES, resolve_device
-from backends.errors import InvalidInput
+from backends.core.devices import DTYPES, resolve_device
+from backends.core.errors import InvalidInput
+from backends.core.params import Parameters, bounded, choice, device
+from backends.media.audio import AudioLimits
 from backends.whisper.features import LogMel
 
 TASKS = ("transcribe", "translate")
+
+
+@dataclass(frozen=True)
+class WhisperParams(Parameters):
+    """The `mm_whisper` backend's parameters."""
+
+    dtype: str = choice("fp32", *(d for d in DTYPES if d != "fp32"))
+    device: str = device()
+    max_batch: int = bounded(32, 1)  # clips (30 s chunks) per engine call
+    prepare_threads: int = bounded(4, 1, 256)  # audio decoding threads per instance
+    max_audio_seconds: float = bounded(AudioLimits.max_seconds, 0, low_open=True)
+    max_channels: int = bounded(AudioLimits.max_channels, 1)
+    max_sample_rate: int = bounded(AudioLimits.max_sample_rate, 1)
+
+    @property
+    def limits(self) -> AudioLimits:
+        return AudioLimits(self.max_audio_seconds, self.max_channels, self.max_sample_rate)
 
 
 @dataclass

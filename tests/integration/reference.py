@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel, ViTForImageClassification
 
-from backends.images import decode_image
+from backends.media.images import decode_image
 
 # Served fp32 ONNX Runtime vs eager PyTorch: only kernel order differs.
 ATOL = 1e-4

@@ -65,7 +65,7 @@ def test_bad_generation_input_is_invalid_arg_and_server_keeps_serving(calibratio
 def test_served_vlm_scenario_measures_both_preprocessing_paths(repository, tmp_path):
     """perf's vlm TTFT scenario on the tiny vlm: its own explicit-mode server, the CPU path, then a reload with
     preprocess_on_device; every request must succeed (summarize raises otherwise) and the table names both paths."""
-    from backends.anyres import tiler_from_checkpoint
+    from backends.vision.anyres import tiler_from_checkpoint
     from perf.llm_scenarios import served_vlm_bench
 
     served_vlm_bench(repository, tmp_path, "test", size=(640, 480), loads=[(2, 8, 3)])

@@ -11,7 +11,7 @@ import soundfile as sf
 import torch
 import tritonclient.http as httpclient
 
-from backends.audio import decode_audio
+from backends.media.audio import decode_audio
 from backends.whisper.chunking import merge, split
 from client.sdk import Client
 from tests.conftest import wav

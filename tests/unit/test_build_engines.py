@@ -7,19 +7,23 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from backends.encoders import ImageEncoder, TextEncoder
-from backends.runtime import TorchRuntime, load_runtime
+from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder
+from backends.core.runtime import TorchRuntime, load_runtime
 from build_engines.cli import main as build
 from build_engines.repository import PythonModelConfig, Tensor, serialize_bytes_tensor
 from tests.conftest import encode, random_image
 
 
 def test_config_renders_to_valid_triton_protobuf():
-    text = PythonModelConfig("vit", [Tensor("image", "BYTES", [1])], [Tensor("logits", "FP32", [10], "labels.txt")],
-                             max_batch_size=8, max_queue_delay_us=500, instances=2,
-                             parameters={"runtime": "auto"}, warmup_file="image").render()
+    text = PythonModelConfig("vit", "mm_encoder", [Tensor("image", "BYTES", [1])],
+                             [Tensor("logits", "FP32", [10], "labels.txt")], EncoderParams(runtime="torch"),
+                             "$$TRITON_MODEL_DIRECTORY/../../.venv", max_batch_size=8, max_queue_delay_us=500,
+                             instances=2, warmup_file="image").render()
     config = text_format.Parse(text, mc.ModelConfig())
-    assert config.backend == "python" and config.max_batch_size == 8
+    assert config.backend == "mm_encoder" and config.max_batch_size == 8
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["EXECUTION_ENV_PATH"] == "$$TRITON_MODEL_DIRECTORY/../../.venv"
+    assert EncoderParams.from_config(params) == EncoderParams(runtime="torch")
     assert config.dynamic_batching.max_queue_delay_microseconds == 500
     assert config.output[0].label_filename == "labels.txt"
     assert config.instance_group[0].count == 2
@@ -93,3 +97,33 @@ def test_load_runtime_reports_missing_engine(tmp_path):
         load_runtime(tmp_path)
     with pytest.raises(ValueError, match="unknown runtime"):
         load_runtime(tmp_path, "tvm")
+
+
+def read_params(config_path) -> dict[str, str]:
+    config = text_format.Parse(config_path.read_text(), mc.ModelConfig())
+    return {k: v.string_value for k, v in config.parameters.items()}
+
+
+def test_engine_parameters_are_written_under_another_name(tmp_path, llm_checkpoint):
+    from backends.llm.engine import EngineConfig
+
+    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--repository", str(tmp_path), "--name", "llm_b",
+                  "--block-size", "32", "--max-batch", "8", "--cuda-graphs", "false",
+                  "--kv-cache-memory-mb", "64"]) == 0
+    config = text_format.Parse((tmp_path / "llm_b" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert config.name == "llm_b" and config.backend == "mm_llm"
+    engine = EngineConfig.from_config(read_params(tmp_path / "llm_b" / "config.pbtxt"))
+    assert (engine.block_size, engine.max_batch, engine.cuda_graphs, engine.kv_cache_memory_mb) == (32, 8, False, 64)
+
+
+def test_bad_engine_parameter_fails_the_build_with_its_name(tmp_path, llm_checkpoint, capsys):
+    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--repository", str(tmp_path),
+                  "--block-size", "many"]) == 1
+    assert "parameter 'block_size' = 'many': expected an integer" in capsys.readouterr().out
+    assert not (tmp_path / "llm" / "config.pbtxt").exists()
+
+
+def test_a_parameter_of_another_backend_is_a_usage_error(vit_checkpoint, capsys):
+    with pytest.raises(SystemExit):
+        build(["vit", "--checkpoint", str(vit_checkpoint), "--block-size", "32"])
+    assert "--block-size is not a parameter of vit" in capsys.readouterr().err

@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from backends.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler
-from backends.device_images import anyres_tiles, decode_to_device
-from backends.errors import InvalidInput
-from backends.images import ImagePreprocessor, decode_image
+from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler
+from backends.media.device_images import anyres_tiles, decode_to_device
+from backends.core.errors import InvalidInput
+from backends.media.images import ImagePreprocessor, decode_image
 from tests.conftest import random_image
 
 CPU = torch.device("cpu")

@@ -1,17 +1,18 @@
-"""backends/generation.py: the llm-style inputs are read with tensorrtllm_backend's names and every bad value is an
+"""backends/llm/requests.py: the llm-style inputs are read with tensorrtllm_backend's names and every bad value is an
 InvalidInput that names the input."""
 import re
 
 import numpy as np
 import pytest
 
-from backends.errors import InvalidInput
-from backends.generation import read_generation_request
+from backends.core.errors import InvalidInput
+from backends.core.inputs import Inputs, check_request_parameters
+from backends.llm.requests import read_generation_request
 
 
 def reader(**inputs):
     arrays = {k: v if isinstance(v, np.ndarray) else np.array([v]) for k, v in inputs.items()}
-    return lambda name: arrays.get(name)
+    return Inputs(arrays.get)
 
 
 def test_defaults_are_greedy_streaming():
@@ -51,9 +52,10 @@ def test_bad_values_name_the_input(inputs, message):
 
 
 def test_unknown_request_parameters_are_refused_but_tritons_own_pass():
-    from backends.generation import check_request_parameters
-
     check_request_parameters('{"triton_enable_empty_final_response": true}')
     check_request_parameters("")
     with pytest.raises(InvalidInput, match=r"unknown request parameter\(s\) \['temprature'\]"):
         check_request_parameters('{"temprature": 0.5, "triton_x": 1}')
+    assert check_request_parameters('{"inject_fault": "read"}', fault_parameter="inject_fault") == "read"
+    with pytest.raises(InvalidInput, match="inject_fault"):  # only where fault injection is enabled
+        check_request_parameters('{"inject_fault": "read"}')

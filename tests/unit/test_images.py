@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from backends.errors import InvalidInput
-from backends.images import ImagePreprocessor, decode_image
+from backends.core.errors import InvalidInput
+from backends.media.images import ImagePreprocessor, decode_image
 from tests.conftest import encode, random_image
 
 SIZES = [(224, 224), (640, 480), (480, 640), (97, 301), (1000, 37), (16, 16), (3000, 2000)]

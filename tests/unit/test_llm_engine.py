@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from backends.errors import InvalidInput
-from backends.generation import SamplingParams
+from backends.core.errors import InvalidInput
+from backends.llm.sampling import SamplingParams
 from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine

@@ -138,7 +138,7 @@ def test_whisper_bench_inputs_are_real_audio_with_their_token_budget(tmp_path):
     import base64
     import json
 
-    from backends.audio import decode_audio
+    from backends.media.audio import decode_audio
     from perf.whisper_bench import CLIPS, clips, write_input_data
 
     items = clips()

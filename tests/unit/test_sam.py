@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.errors import InvalidInput
-from backends.images import decode_image
+from backends.core.errors import InvalidInput
+from backends.media.images import decode_image
 from backends.sam.engine import EmbeddingCache, Embedded, SamEngine
 from tests.conftest import build_engines, encode, random_image
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.errors import InvalidInput
+from backends.core.errors import InvalidInput
 from backends.whisper.chunking import merge, split
 from backends.whisper.engine import WhisperEngine
 from build_engines.checkpoints import tiny_whisper

@@ -1,0 +1,190 @@
+"""The base of every backend's `TritonPythonModel`: what they share between Triton's python backend and the engines.
+
+`TritonBackend.initialize` reads the model config through the backend's typed `Parameters` (a bad key or value
+fails the load), picks the instance's device, routes the `backends` log records into Triton's log and calls
+`setup()`. Every request gets its own error policy (`error`): InvalidInput -> INVALID_ARG with the reason, anything
+else -> INTERNAL with a short message for the client and the traceback in the server log, for that request only.
+
+`BatchedBackend` is the flow of the dynamically batched models (vit, clip_*, whisper): read each request on the
+model thread, prepare its items on a thread pool, run all prepared requests through the engine at once; when that
+shared call fails, each request is retried alone so that only the one that fails gets the error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from backends.core.errors import InvalidInput
+from backends.core.inputs import Inputs, check_request_parameters
+from backends.core.params import Parameters
+
+log = logging.getLogger(__name__)
+P = TypeVar("P", bound=Parameters)
+
+# Fault injection for tests: with this variable set to 1 in the server's environment, a request parameter
+# `inject_fault` naming a stage ("read", "prepare", "infer") makes that request raise an unexpected error there.
+FAULTS_ENV = "MM_FAULT_INJECTION"
+FAULT_PARAMETER = "inject_fault"
+
+
+class InjectedFault(RuntimeError):
+    """Raised where a test asked for a fault (never in production: needs MM_FAULT_INJECTION=1)."""
+
+
+class TritonLogHandler(logging.Handler):
+    """The `backends` package's log records into Triton's own log (pb_utils.Logger), beside the server's lines:
+    the stub's Python logging has no handler of its own."""
+
+    def __init__(self, pb):
+        super().__init__(logging.INFO)
+        self.pb = pb
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = self.pb.Logger
+        write = logger.log_error if record.levelno >= logging.ERROR else \
+            logger.log_warn if record.levelno >= logging.WARNING else logger.log_info
+        write(f"{record.name}: {self.format(record)}")
+
+
+def route_logs_to_triton(pb) -> None:
+    package = logging.getLogger("backends")
+    if not any(isinstance(h, TritonLogHandler) for h in package.handlers):
+        package.addHandler(TritonLogHandler(pb))
+        package.setLevel(logging.INFO)
+
+
+def instance_device(args: dict, configured: str) -> str:
+    """The device of this model instance: the GPU Triton placed a KIND_GPU instance on, else the configured one."""
+    return f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else configured
+
+
+class TritonBackend(Generic[P]):
+    """Subclasses set `Params` and implement `setup()` and `execute()`."""
+
+    Params: type[P] = Parameters  # type: ignore[assignment]
+
+    def initialize(self, args: dict) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        self.pb = pb_utils
+        route_logs_to_triton(pb_utils)
+        self.model_config: dict = json.loads(args["model_config"])
+        self.name: str = args["model_name"]
+        self.labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.folder = Path(args["model_repository"]) / args["model_version"]
+        self.params: P = self.Params.from_model_config(self.model_config)
+        self.device: str = instance_device(args, getattr(self.params, "device", "cpu"))
+        self.faults_enabled = os.environ.get(FAULTS_ENV) == "1"
+        self.setup()
+
+    def setup(self) -> None:
+        """Load the engine from `self.folder` with `self.params` on `self.device`."""
+
+    # --- one request ----------------------------------------------------------------------------------------
+    def inputs(self, request) -> Inputs:
+        pb = self.pb
+
+        def get(name: str):
+            tensor = pb.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+        return Inputs(get)
+
+    def check_parameters(self, request, allowed: tuple[str, ...] = (), hint: str = "") -> str | None:
+        """Refuses request parameters this model would ignore; returns the fault stage a test asked for."""
+        return check_request_parameters(request.parameters(), allowed, hint,
+                                        FAULT_PARAMETER if self.faults_enabled else None)
+
+    def error(self, exc: BaseException):
+        """The per-request error policy: the client's mistake is named; anything else is logged here and reported
+        without internals (no paths, no traceback)."""
+        pb = self.pb
+        if isinstance(exc, InvalidInput):
+            return pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)
+        log.error("%s: request failed", self.name, exc_info=exc)
+        return pb.TritonError(f"{self.name} failed on this request ({type(exc).__name__}); the server log has the "
+                              "details", pb.TritonError.INTERNAL)
+
+    def error_response(self, exc: BaseException):
+        return self.pb.InferenceResponse(error=self.error(exc))
+
+
+def inject(fault: str | None, stage: str) -> None:
+    if fault == stage:
+        raise InjectedFault(f"fault injected at {stage}")
+
+
+class BatchedBackend(TritonBackend[P]):
+    """Dynamically batched models. Subclasses implement `read` (model thread), `prepare` (one item, pool thread),
+    `infer` (all prepared requests, one engine call) and `respond` (one request's output -> response)."""
+
+    def setup(self) -> None:
+        self.pool = ThreadPoolExecutor(getattr(self.params, "prepare_threads", 4), thread_name_prefix=self.name)
+        self.load()
+
+    def load(self) -> None:
+        """Load the engine (called by setup, after the pool exists)."""
+
+    def read(self, inputs: Inputs) -> list[Any]:
+        """The items of one request to prepare (e.g. its encoded images); raise InvalidInput when it is wrong."""
+        raise NotImplementedError
+
+    def prepare(self, item: Any) -> Any:
+        return item
+
+    def infer(self, batch: list[list[Any]]) -> list[Any]:
+        """One output per request, from the prepared items of every request of the batch."""
+        raise NotImplementedError
+
+    def respond(self, output: Any):
+        raise NotImplementedError
+
+    def execute(self, requests: list) -> list:
+        responses: list = [None] * len(requests)
+        futures, faults = {}, {}
+        for i, request in enumerate(requests):
+            try:
+                faults[i] = fault = self.check_parameters(request)
+                inject(fault, "read")
+                items = self.read(self.inputs(request))
+                if not items:
+                    raise InvalidInput("the request holds no item")
+                futures[i] = [self.pool.submit(self._prepare, item, fault) for item in items]
+            except Exception as e:
+                responses[i] = self.error_response(e)
+        prepared = {}
+        for i, pending in futures.items():
+            try:
+                prepared[i] = [f.result() for f in pending]
+            except Exception as e:
+                responses[i] = self.error_response(e)
+        for i, output in self._infer_isolated(prepared, faults).items():
+            responses[i] = self.error_response(output) if isinstance(output, Exception) else self.respond(output)
+        return responses
+
+    def _prepare(self, item: Any, fault: str | None) -> Any:
+        inject(fault, "prepare")
+        return self.prepare(item)
+
+    def _infer_isolated(self, prepared: dict[int, list], faults: dict[int, str | None]) -> dict[int, Any]:
+        """Outputs by request index; when the shared engine call fails, each request runs alone, so the failure
+        lands on the request that causes it."""
+        if not prepared:
+            return {}
+        try:
+            for i in prepared:
+                inject(faults[i], "infer")
+            return dict(zip(prepared, self.infer(list(prepared.values()))))
+        except Exception as e:
+            if len(prepared) == 1:
+                return {i: e for i in prepared}
+            log.warning("%s: a batch of %d requests failed (%s: %s); running them one by one", self.name,
+                        len(prepared), type(e).__name__, e)
+            return {i: out for key in prepared for i, out in self._infer_isolated({key: prepared[key]},
+                                                                                   faults).items()}
+
+    def finalize(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

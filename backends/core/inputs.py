@@ -1,0 +1,82 @@
+"""A request's inputs, read and decoded in one place: every mistake raises InvalidInput naming the input.
+
+Transport-free (it takes a `get(name)` that returns the input as numpy, or None when the request left it out), so
+the backends and the library code they call share one set of checks, UTF-8 decoding included.
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import numpy as np
+
+from backends.core.errors import InvalidInput
+
+
+def utf8(raw: bytes | str, name: str) -> str:
+    """The one UTF-8 decoder for BYTES inputs."""
+    if isinstance(raw, str):
+        return raw
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def check_request_parameters(parameters_json: str, allowed: tuple[str, ...] = (), hint: str = "",
+                             fault_parameter: str | None = None) -> str | None:
+    """Refuses request parameters the model would silently ignore (Triton's own `triton_*` pass). Returns the value
+    of `fault_parameter` (test-only fault injection), when one is named and present."""
+    parameters = json.loads(parameters_json or "{}")
+    fault = parameters.pop(fault_parameter, None) if fault_parameter else None
+    unknown = sorted(k for k in parameters if not k.startswith("triton_") and k not in allowed)
+    if unknown:
+        takes = f"this model takes {list(allowed)}" if allowed else "this model takes none"
+        raise InvalidInput(f"unknown request parameter(s) {unknown}: {takes}{hint}")
+    return fault
+
+
+def as_bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else bytes(value)
+
+
+class Inputs:
+    def __init__(self, get: Callable[[str], np.ndarray | None]):
+        self.get = get
+
+    def array(self, name: str) -> np.ndarray | None:
+        return self.get(name)
+
+    def blob(self, name: str, what: str = "encoded file") -> bytes:
+        """Exactly one BYTES element (an encoded image or audio file)."""
+        array = self.get(name)
+        if array is None or array.size != 1:
+            raise InvalidInput(f"{name} must hold exactly one {what}, got "
+                               f"{'none' if array is None else array.size}")
+        return as_bytes(array.reshape(-1)[0])
+
+    def items(self, name: str) -> list[bytes]:
+        """Every element of a BYTES input of any shape, in order."""
+        array = self.get(name)
+        return [] if array is None else [as_bytes(item) for item in array.reshape(-1)]
+
+    def text(self, name: str, default: str | None = None) -> str | None:
+        """One UTF-8 string, or `default` when the input is absent."""
+        array = self.get(name)
+        if array is None:
+            return default
+        if array.size != 1:
+            raise InvalidInput(f"{name} must hold one string, got {array.size}")
+        return utf8(array.reshape(-1)[0], name)
+
+    def texts(self, name: str) -> list[str]:
+        return [utf8(item, name) for item in self.items(name)]
+
+    def scalar(self, name: str, kind: type, default=None):
+        """One number or flag, converted to `kind`, or `default` when absent."""
+        array = self.get(name)
+        if array is None:
+            return default
+        if array.size != 1:
+            raise InvalidInput(f"{name} must hold one value, got shape {list(array.shape)}")
+        return kind(array.reshape(-1)[0])

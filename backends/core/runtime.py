@@ -1,0 +1,160 @@
+"""One small interface over the engines a model version folder can hold.
+
+    model.onnx -> ONNX Runtime (CPU; CUDA provider when present)
+    model.pt2  -> PyTorch (torch.export program; eager, optional torch.compile; CUDA when present)
+    model.plan -> TensorRT (only where the tensorrt module and a GPU exist)
+
+`load_runtime` picks from the artefacts present unless the model config names a runtime. Every runtime takes and
+returns numpy float32/int64 arrays so model classes never care which engine ran.
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+ARTEFACTS = {"tensorrt": "model.plan", "torch": "model.pt2", "onnxruntime": "model.onnx"}
+RUNTIMES = ("onnxruntime", "torch", "tensorrt")
+PREFERENCE = ("tensorrt", "torch", "onnxruntime")  # fastest first when several are present
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The requested engine cannot run on this machine (missing package or GPU)."""
+
+
+class Runtime(ABC):
+    name: str
+    device: str
+
+    @abstractmethod
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch; feeds and results are keyed by the engine's tensor names."""
+
+
+class OnnxRuntime(Runtime):
+    name = "onnxruntime"
+
+    def __init__(self, path: Path, device: str = "auto"):
+        import onnxruntime as ort
+
+        providers: list = ["CPUExecutionProvider"]
+        if (device == "auto" or device.startswith("cuda")) and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": int(device.partition(":")[2] or 0)}))
+        elif device.startswith("cuda"):
+            raise RuntimeUnavailable("onnxruntime has no CUDAExecutionProvider here (install onnxruntime-gpu)")
+        self.session = ort.InferenceSession(str(path), providers=providers)
+        self.device = "cpu" if providers[0] == "CPUExecutionProvider" else "cuda"
+        self.input_types = {i.name: i.type for i in self.session.get_inputs()}
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = {name: array.astype(_ORT_TYPES[self.input_types[name]], copy=False) for name, array in feeds.items()}
+        names = [o.name for o in self.session.get_outputs()]
+        return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, self.session.run(names, feeds))}
+
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+              "tensor(int32)": np.int32}
+
+
+class TorchRuntime(Runtime):
+    name = "torch"
+
+    def __init__(self, path: Path, output_names: list[str], device: str = "auto", compile: bool = False):
+        import torch
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeUnavailable("torch reports no CUDA device")
+        self.torch, self.device = torch, device
+        program = torch.export.load(str(path))
+        self.input_names = [spec.arg.name for spec in program.graph_signature.input_specs
+                            if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+        exported = {node.name: node.meta["val"].dtype for node in program.graph.nodes if node.op == "placeholder"}
+        self.input_dtypes = [exported[name] for name in self.input_names]  # each input as the program was traced
+        self.output_names = output_names  # a torch.export program's outputs carry no names
+        module = program.module().to(device)
+        self.module = torch.compile(module, dynamic=True) if compile else module
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self.torch
+        args = [torch.from_numpy(np.ascontiguousarray(feeds[name])).to(self.device, dtype)
+                for name, dtype in zip(self.input_names, self.input_dtypes)]
+        with torch.inference_mode():
+            outputs = self.module(*args)
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        # contiguous on the device: exported programs may return permuted strides, which numpy would gather on the CPU
+        return {n: o.float().contiguous().cpu().numpy() for n, o in zip(self.output_names, outputs)}
+
+
+class TensorRTRuntime(Runtime):
+    """TensorRT plan execution (TensorRT 10 tensor API). Not verified here: tensorrt cannot be installed in our env."""
+
+    name = "tensorrt"
+    device = "cuda"
+
+    def __init__(self, path: Path):
+        try:
+            import tensorrt as trt
+            import torch
+        except ImportError as exc:
+            raise RuntimeUnavailable(f"TensorRT runtime unavailable: {exc}") from None
+        if not torch.cuda.is_available():
+            raise RuntimeUnavailable("TensorRT runtime unavailable: no CUDA device")
+        self.torch, self.trt = torch, trt
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+
+    def torch_dtype(self, name: str):
+        return getattr(self.torch, np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name))).name)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        torch = self.torch
+        stream = torch.cuda.current_stream()
+        keep = []
+        for name in self.inputs:
+            dtype = self.torch_dtype(name)
+            tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to("cuda", dtype)
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+            keep.append(tensor)
+        results = {}
+        for name in self.outputs:
+            dtype = self.torch_dtype(name)
+            results[name] = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=dtype, device="cuda")
+            self.context.set_tensor_address(name, results[name].data_ptr())
+        self.context.execute_async_v3(stream.cuda_stream)
+        stream.synchronize()
+        return {n: t.float().cpu().numpy() for n, t in results.items()}
+
+
+def available_runtimes(version_dir: Path) -> list[str]:
+    return [name for name in PREFERENCE if (version_dir / ARTEFACTS[name]).exists()]
+
+
+def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "auto", compile: bool = False) -> Runtime:
+    """Open the engine in a model version folder; `runtime="auto"` takes the fastest artefact present."""
+    version_dir = Path(version_dir)
+    present = available_runtimes(version_dir)
+    if runtime == "auto":
+        if not present:
+            raise FileNotFoundError(f"no engine in {version_dir} (expected one of {sorted(ARTEFACTS.values())}); "
+                                    "run `python -m build_engines`")
+        runtime = present[0]
+    elif runtime not in ARTEFACTS:
+        raise ValueError(f"unknown runtime {runtime!r}; choose from {sorted(ARTEFACTS)}")
+    path = version_dir / ARTEFACTS[runtime]
+    if not path.exists():
+        raise FileNotFoundError(f"runtime {runtime!r} asked for but {path} was not built")
+    if runtime == "onnxruntime":
+        return OnnxRuntime(path, device)
+    if runtime == "torch":
+        meta = json.loads((version_dir / "engine.json").read_text())
+        return TorchRuntime(path, meta["outputs"], device, compile)
+    return TensorRTRuntime(path)

@@ -1,0 +1,65 @@
+"""What a generation request asks for, read from the `llm`-style inputs.
+
+The tensor names follow tensorrtllm_backend (`text_input`, `max_tokens`, `stream`, `min_length`, ...), so genai-perf
+and clients written for TensorRT-LLM's ensemble work unchanged. Every check names the input that was wrong.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backends.core.errors import InvalidInput
+from backends.core.inputs import Inputs
+from backends.llm.sampling import SamplingParams
+
+# name, Triton dtype, dims, optional: the inputs every generating model declares
+GENERATION_INPUTS = (
+    ("text_input", "BYTES", [1], False),
+    ("max_tokens", "INT32", [1], False),
+    ("stream", "BOOL", [1], True),
+    ("temperature", "FP32", [1], True),
+    ("top_k", "INT32", [1], True),
+    ("top_p", "FP32", [1], True),
+    ("seed", "INT64", [1], True),
+    ("stop", "BYTES", [-1], True),
+    ("min_length", "INT32", [1], True),
+)
+# said to a client that sends a generation option as a request parameter
+OPTIONS_HINT = f"; generation options are input tensors ({', '.join(n for n, *_ in GENERATION_INPUTS[2:])})"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = True
+
+
+def read_generation_request(inputs: Inputs, max_tokens_limit: int) -> GenerationRequest:
+    prompt = inputs.text("text_input")
+    if prompt is None:
+        raise InvalidInput("text_input must hold exactly one string")
+    if not prompt:
+        raise InvalidInput("text_input is empty")
+    max_tokens = inputs.scalar("max_tokens", int)
+    if max_tokens is None:
+        raise InvalidInput("max_tokens is required")
+    if not 1 <= max_tokens <= max_tokens_limit:
+        raise InvalidInput(f"max_tokens must be between 1 and {max_tokens_limit}, got {max_tokens}")
+    temperature = inputs.scalar("temperature", float, 0.0)
+    if not (np.isfinite(temperature) and temperature >= 0):
+        raise InvalidInput(f"temperature must be a finite number >= 0, got {temperature}")
+    top_k = inputs.scalar("top_k", int, 0)
+    if top_k < 0:
+        raise InvalidInput(f"top_k must be >= 0, got {top_k}")
+    top_p = inputs.scalar("top_p", float, 1.0)
+    if not 0 < top_p <= 1:
+        raise InvalidInput(f"top_p must be in (0, 1], got {top_p}")
+    min_tokens = inputs.scalar("min_length", int, 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidInput(f"min_length must be between 0 and max_tokens ({max_tokens}), got {min_tokens}")
+    stop = tuple(s for s in inputs.texts("stop") if s)
+    seed = inputs.scalar("seed", int)
+    sampling = SamplingParams(max_tokens, temperature, top_k, top_p, seed, stop, min_tokens)
+    return GenerationRequest(prompt, sampling, stream=inputs.scalar("stream", bool, True))

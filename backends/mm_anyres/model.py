@@ -1,0 +1,36 @@
+"""`mm_anyres`: Triton backend for `anyres`, an encoded image in, its AnyRes tiles and visual-token count out.
+
+Requests differ in tile count, so they are not batched together; decoding and tiling run on the instance's thread
+pool, so the requests of one `execute` are prepared in parallel.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from backends.core.adapter import BatchedBackend
+from backends.core.inputs import Inputs
+from backends.media.images import ImagePreprocessor, decode_image
+from backends.vision.anyres import AnyResParams, image_processor_config, tiler_from_checkpoint
+
+
+class TritonPythonModel(BatchedBackend[AnyResParams]):
+    Params = AnyResParams
+
+    def load(self) -> None:
+        self.tiler = tiler_from_checkpoint(self.folder)
+        self.preprocess = ImagePreprocessor.from_dict(image_processor_config(self.folder))
+
+    def read(self, inputs: Inputs) -> list[bytes]:
+        return [inputs.blob("image", "encoded image")]
+
+    def prepare(self, data: bytes) -> tuple[np.ndarray, int]:
+        tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)
+        return tiles, plan.num_image_tokens
+
+    def infer(self, batch: list[list[tuple[np.ndarray, int]]]) -> list[tuple[np.ndarray, int]]:
+        return [tiled for tiled, in batch]  # the work was the preparation
+
+    def respond(self, output: tuple[np.ndarray, int]):
+        tiles, tokens = output
+        return self.pb.InferenceResponse([self.pb.Tensor("pixel_values", tiles),
+                                          self.pb.Tensor("num_image_tokens", np.array([tokens], np.int32))])

@@ -1,0 +1,38 @@
+"""`mm_encoder`: Triton backend for the batched encoders — `vit` (image -> logits), `clip_vision` (image -> embedding)
+and `clip_text` (text -> embedding). Which one a model runs follows from its config: an input named `text` gets the
+CLIP text encoder, an input holding images the image encoder; the output is the config's first output.
+
+Every item of every request of a dynamic batch is decoded and preprocessed on the instance's thread pool, each
+request validated on its own, then all good requests go through the engine as one batch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from backends.core.adapter import BatchedBackend
+from backends.core.inputs import Inputs
+from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder
+
+
+class TritonPythonModel(BatchedBackend[EncoderParams]):
+    Params = EncoderParams
+
+    def load(self) -> None:
+        self.input_name = self.model_config["input"][0]["name"]
+        self.output_name = self.model_config["output"][0]["name"]
+        kind = TextEncoder if self.input_name == "text" else ImageEncoder
+        self.encoder = kind(self.folder, self.params, self.device)
+
+    def read(self, inputs: Inputs) -> list[bytes]:
+        return inputs.items(self.input_name)
+
+    def prepare(self, item: bytes) -> Any:
+        return self.encoder.prepare_item(item)
+
+    def infer(self, batch: list[list[Any]]) -> list[np.ndarray]:
+        return self.encoder.infer(batch)
+
+    def respond(self, output: np.ndarray):
+        return self.pb.InferenceResponse([self.pb.Tensor(self.output_name, output.astype(np.float32))])

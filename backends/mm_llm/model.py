@@ -1,0 +1,230 @@
+"""`mm_llm`: Triton backend for the decoupled `llm` model (and the base of `mm_vlm`): requests in, streamed
+`text_output` deltas out.
+
+`execute` only validates and queues; one background loop per model instance owns the engine: it admits queued
+requests between steps, runs a step, sends each sequence's new text, and checks `request.is_cancelled()` so a
+cancelled gRPC stream frees its KV blocks at once. A failure that belongs to one request (its inputs, its image, its
+sampling) ends that request alone; only a failed model step fails the sequences in it. Engine statistics are
+exported as custom metrics (llm_*).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backends.core.adapter import TritonBackend, inject
+from backends.core.metrics import CustomMetrics
+from backends.llm.detokenizer import pending_text
+from backends.llm.engine import EngineConfig, LLMEngine, StepFailed
+from backends.llm.requests import OPTIONS_HINT, GenerationRequest, read_generation_request
+from backends.llm.sequence import Sequence
+
+log = logging.getLogger(__name__)
+HOUSEKEEPING_S = 0.01  # is_cancelled() and metric updates are IPC round trips: do them at most this often
+
+GAUGES = {"llm_kv_blocks_free": "KV-cache blocks free", "llm_kv_blocks_total": "KV-cache blocks in all",
+          "llm_sequences_running": "sequences in the running batch",
+          "llm_sequences_waiting": "sequences waiting for a batch slot or KV blocks",
+          "llm_decode_batch_max": "largest decode batch so far"}
+COUNTERS = {"llm_prefill_steps_total": "prefill steps", "llm_decode_steps_total": "decode steps",
+            "llm_decode_tokens_total": "tokens produced by decode steps (sum of decode batch sizes)",
+            "llm_generated_tokens_total": "tokens generated", "llm_preemptions_total": "sequences preempted"}
+
+
+@dataclass
+class Pending:
+    """A request `execute` accepted, waiting for the engine loop (and, for `vlm`, for its image)."""
+
+    request: object
+    sender: object
+    ask: GenerationRequest
+    fault: str | None = None
+    prepared: Future | None = None  # work started in `execute` that must finish before the request is admitted
+
+
+@dataclass
+class EngineInput:
+    """`LLMEngine.add`'s arguments for one request."""
+
+    prompt: str | list[int]
+    embeds: torch.Tensor | None = None  # image features for the placeholder tokens (vlm)
+    placeholder_id: int | None = None
+
+
+@dataclass
+class Stream:
+    request: object
+    sender: object
+    stream: bool
+
+
+def engine_stats(engine: LLMEngine) -> tuple[dict[str, float], dict[str, int]]:
+    s = engine.stats
+    gauges = {"llm_kv_blocks_free": engine.blocks.num_free, "llm_kv_blocks_total": engine.blocks.num_blocks,
+              "llm_sequences_running": len(engine.scheduler.running),
+              "llm_sequences_waiting": len(engine.scheduler.waiting), "llm_decode_batch_max": s.max_decode_batch}
+    totals = {"llm_prefill_steps_total": s.prefill_steps, "llm_decode_steps_total": s.decode_steps,
+              "llm_decode_tokens_total": s.decode_tokens, "llm_generated_tokens_total": s.generated_tokens,
+              "llm_preemptions_total": engine.scheduler.preemptions}
+    return gauges, totals
+
+
+class TritonPythonModel(TritonBackend[EngineConfig]):
+    Params = EngineConfig
+
+    def setup(self) -> None:
+        self.engine = LLMEngine(self.folder, dataclasses.replace(self.params, device=self.device))
+        self.inbox: queue.Queue[Pending] = queue.Queue()
+        self.pending: list[Pending] = []  # taken from the inbox, preparation still running
+        self.active: dict[Sequence, Stream] = {}
+        self.wake = threading.Event()
+        self.running = True
+        self.metrics = CustomMetrics(self.pb, self.labels, GAUGES, COUNTERS)
+        self.metrics.update(*engine_stats(self.engine))
+        self.thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
+        self.thread.start()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                fault = self.check_parameters(request, hint=OPTIONS_HINT)
+                inject(fault, "read")
+                inputs = self.inputs(request)
+                pending = Pending(request, sender, read_generation_request(inputs, self.engine.max_model_len), fault)
+                pending.prepared = self.prepare(inputs, pending)
+            except Exception as e:
+                self._fail(sender, e)
+                continue
+            self.inbox.put(pending)
+        self.wake.set()
+        return None
+
+    def prepare(self, inputs, pending: Pending) -> Future | None:
+        """Per-request work started in `execute` (the VLM's image decoding): a Future keeps the request out of the
+        engine until it is done, without holding up `execute`; it must set `self.wake` when done."""
+        return None
+
+    def engine_inputs(self, batch: list[Pending]) -> list[EngineInput | Exception]:
+        """`engine.add` arguments (or the reason the request fails) for requests admitted together (the VLM runs the
+        vision tower over the images of all of them here)."""
+        for pending in batch:
+            inject(pending.fault, "infer")
+        return [EngineInput(pending.ask.prompt) for pending in batch]
+
+    def finalize(self) -> None:
+        self.running = False
+        self.wake.set()
+        self.thread.join(timeout=10)  # never hang the unload: the loop is a daemon thread
+        unloading = self.pb.TritonError("the model is being unloaded", self.pb.TritonError.UNAVAILABLE)
+        for seq, stream in list(self.active.items()):
+            self.engine.cancel(seq)
+            self._send_error(stream.sender, unloading)
+        self.active.clear()
+        self._take_inbox()
+        for pending in self.pending:
+            self._send_error(pending.sender, unloading)
+        self.pending.clear()
+        self.metrics.close()
+
+    # --- the engine loop ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        last_housekeeping = 0.0
+        while self.running:
+            self._admit()
+            if time.monotonic() - last_housekeeping > HOUSEKEEPING_S or not self.engine.has_work:
+                self._drop_cancelled()
+                self.metrics.update(*engine_stats(self.engine))
+                last_housekeeping = time.monotonic()
+            if not self.engine.has_work:
+                self.wake.wait(timeout=0.05)
+                self.wake.clear()
+                continue
+            try:
+                advanced = self.engine.step()
+            except StepFailed as e:  # the model step itself failed: its sequences fail, the server keeps serving
+                log.exception("LLM engine step failed")
+                for seq in e.seqs:
+                    self.engine.cancel(seq)
+                    if (stream := self.active.pop(seq, None)) is not None:
+                        self._fail(stream.sender, e.__cause__ or e)
+                continue
+            for seq in advanced:
+                self._respond(seq)
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                self.pending.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _admit(self) -> None:
+        self._take_inbox()
+        ready, waiting = [], []
+        for pending in self.pending:  # one pass: a future finishing meanwhile must land in exactly one list
+            (waiting if pending.prepared is not None and not pending.prepared.done() else ready).append(pending)
+        self.pending = waiting
+        for pending, item in zip(ready, self._engine_inputs_isolated(ready)):
+            try:
+                if isinstance(item, Exception):
+                    raise item
+                seq = self.engine.add(item.prompt, pending.ask.sampling, pending.request.request_id(),
+                                      embeds=item.embeds, placeholder_id=item.placeholder_id)
+            except Exception as e:
+                self._fail(pending.sender, e)
+                continue
+            self.active[seq] = Stream(pending.request, pending.sender, pending.ask.stream)
+
+    def _engine_inputs_isolated(self, batch: list[Pending]) -> list[EngineInput | Exception]:
+        """When preparing a group together fails, each request is prepared alone, so only the culprit fails."""
+        if not batch:
+            return []
+        try:
+            return self.engine_inputs(batch)
+        except Exception as e:
+            if len(batch) == 1:
+                return [e]
+            log.warning("preparing %d requests together failed (%s); preparing them one by one", len(batch), e)
+            return [item for pending in batch for item in self._engine_inputs_isolated([pending])]
+
+    def _drop_cancelled(self) -> None:
+        for seq, stream in list(self.active.items()):
+            if stream.request.is_cancelled():
+                self.engine.cancel(seq)
+                del self.active[seq]
+                stream.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _respond(self, seq: Sequence) -> None:
+        stream = self.active.get(seq)
+        if stream is None:
+            return
+        if seq.error is not None:
+            self._fail(stream.sender, seq.error)
+        elif stream.stream:
+            delta = pending_text(seq)
+            if seq.finished:  # always a final response, possibly empty: clients see where the stream ends
+                stream.sender.send(self._text(delta), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            elif delta:
+                stream.sender.send(self._text(delta))
+        elif seq.finished:
+            stream.sender.send(self._text(seq.text), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if seq.finished:
+            del self.active[seq]
+
+    def _text(self, text: str):
+        return self.pb.InferenceResponse([self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))])
+
+    def _fail(self, sender, exc: BaseException) -> None:
+        self._send_error(sender, self.error(exc))
+
+    def _send_error(self, sender, error) -> None:
+        sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -1,0 +1,103 @@
+"""Pure (server-free) encoders behind the vit, clip_vision and clip_text models: inputs in, float32 arrays out.
+
+Each has `prepare_item(bytes)` (validates one client item and turns it into model input, raising InvalidInput) and
+`infer(per_request_items)` (one engine call for all requests of a Triton batch, split back per request).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from backends.core.errors import InvalidInput
+from backends.core.inputs import utf8
+from backends.core.params import Parameters, bounded, choice, device
+from backends.core.runtime import RUNTIMES, Runtime, load_runtime
+from backends.media.images import DEFAULT_MAX_PIXELS, ImagePreprocessor, decode_image
+
+
+@dataclass(frozen=True)
+class EncoderParams(Parameters):
+    """The `mm_encoder` backend's parameters (vit, clip_vision, clip_text)."""
+
+    runtime: str = choice("auto", *RUNTIMES)  # auto: the artefact present in the version folder
+    device: str = device()
+    torch_compile: bool = False
+    prepare_threads: int = bounded(4, 1, 256)  # decode/preprocess threads per instance
+    max_pixels: int = bounded(DEFAULT_MAX_PIXELS, 1)  # larger images are refused before decoding
+
+
+def split_rows(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    """Undo the concatenation of per-request batches."""
+    return np.split(array, np.cumsum(counts)[:-1])
+
+
+def prepare_requests(encoder, pool: Executor, requests: list[list[bytes]]) -> list[list | InvalidInput]:
+    """Prepare every item of every request of one Triton batch in parallel (Pillow and the tokenizer release the
+    GIL); a request whose item is bad becomes its InvalidInput, the others are unaffected."""
+    futures = [[pool.submit(encoder.prepare_item, item) for item in items] for items in requests]
+    prepared: list[list | InvalidInput] = []
+    for items, pending in zip(requests, futures):
+        try:
+            if not items:
+                raise InvalidInput("the request holds no item")
+            prepared.append([f.result() for f in pending])
+        except InvalidInput as exc:
+            prepared.append(exc)
+    return prepared
+
+
+def load_engine(version_dir: Path, params: EncoderParams, device: str | None) -> Runtime:
+    return load_runtime(version_dir, params.runtime, device or params.device, params.torch_compile)
+
+
+class ImageEncoder:
+    """Encoded images -> one output tensor (logits or embeddings), batched across requests."""
+
+    def __init__(self, version_dir: str | Path, params: EncoderParams = EncoderParams(), device: str | None = None):
+        """`device`: the instance's device when Triton placed it (else `params.device`)."""
+        version_dir = Path(version_dir)
+        self.preprocess = ImagePreprocessor.from_json(version_dir / "preprocessor_config.json")
+        self.engine = load_engine(version_dir, params, device)
+        self.max_pixels = params.max_pixels
+
+    def prepare_item(self, data: bytes) -> np.ndarray:
+        return self.preprocess(decode_image(data, self.max_pixels))
+
+    def infer(self, batches: list[list[np.ndarray]]) -> list[np.ndarray]:
+        result = self.engine.run({"pixel_values": np.stack([x for batch in batches for x in batch])})
+        (output,) = result.values()
+        return split_rows(output, [len(b) for b in batches])
+
+
+class TextEncoder:
+    """Texts -> L2-normalised CLIP text embeddings. Texts over the tokenizer's limit are rejected, not truncated."""
+
+    def __init__(self, version_dir: str | Path, params: EncoderParams = EncoderParams(), device: str | None = None):
+        from transformers import AutoTokenizer
+
+        version_dir = Path(version_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(version_dir / "tokenizer")
+        self.max_tokens = int(self.tokenizer.model_max_length)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.engine = load_engine(version_dir, params, device)
+
+    def prepare_item(self, raw: bytes) -> list[int]:
+        tokens = self.tokenizer(utf8(raw, "text"))["input_ids"]
+        if len(tokens) > self.max_tokens:
+            raise InvalidInput(f"text is {len(tokens)} tokens long, above the tokenizer limit of "
+                               f"{self.max_tokens} tokens")
+        return tokens
+
+    def infer(self, batches: list[list[list[int]]]) -> list[np.ndarray]:
+        rows = [ids for batch in batches for ids in batch]
+        width = max(len(ids) for ids in rows)
+        input_ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        attention_mask = np.zeros((len(rows), width), dtype=np.int64)
+        for i, ids in enumerate(rows):
+            input_ids[i, : len(ids)] = ids
+            attention_mask[i, : len(ids)] = 1
+        (output,) = self.engine.run({"input_ids": input_ids, "attention_mask": attention_mask}).values()
+        return split_rows(output, [len(b) for b in batches])

@@ -1,0 +1,97 @@
+"""llm: a Llama / Qwen2 / Mistral checkpoint placed in the repository as it is (the engine in backends/llm loads it),
+greedy parity with transformers checked for small models, served by the `mm_llm` backend with the engine's
+parameters in the config; or a TensorRT-LLM engine (not verified here)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backends.llm.engine import EngineConfig, LLMEngine
+from backends.llm.model import ModelArgs
+from backends.llm.requests import GENERATION_INPUTS
+from build_engines.common import BuildOptions, Progress, instance_kind, place_and_verify, up_to_date
+from build_engines.export import VerificationError
+from build_engines.repository import PythonModelConfig, Tensor, write_engine_metadata
+
+LLM_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+             "chat_template.jinja")
+
+
+def build_llm(opts: BuildOptions) -> None:
+    """Copy the checkpoint and tokenizer into model_repository/llm/1 (the engine in backends/llm loads them as
+    they are), check greedy parity with transformers for small models, write the decoupled config."""
+
+    if opts.runtime == "tensorrt_llm":
+        return build_tensorrt_llm(opts)
+    if opts.runtime != "torch":
+        raise RuntimeError(f"llm runs on the engine in backends/llm (--runtime torch) or TensorRT-LLM "
+                           f"(--runtime tensorrt_llm), not --runtime {opts.runtime}")
+    name = opts.model_name("llm")
+    if up_to_date(opts, [name]):
+        print(f"{name}: up to date")
+        return
+    ModelArgs.from_checkpoint(opts.checkpoint)  # an unsupported family fails here, before anything is copied
+    params = opts.parameters(EngineConfig, dtype=opts.precision, device=opts.device)  # bad overrides fail here too
+    progress = Progress(name, 3)
+    version_dir = opts.repository / name / "1"
+    place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
+    with progress.step("writing config.pbtxt"):
+        opts.write(generation_config(opts, name, "mm_llm", [], params))
+        write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
+                              fingerprint=opts.fingerprint(name), checkpoint=str(opts.checkpoint.resolve()))
+
+
+def generation_config(opts: BuildOptions, name: str, backend: str, extra_inputs: list[Tensor],
+                      params: EngineConfig) -> PythonModelConfig:
+    """A decoupled model taking tensorrtllm_backend's generation inputs and streaming `text_output`."""
+    return PythonModelConfig(
+        name, backend, [*extra_inputs, *(Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS)],
+        [Tensor("text_output", "BYTES", [1])], params, max_batch_size=0, max_queue_delay_us=None, instances=1,
+        kind=instance_kind(opts), decoupled=True)
+
+
+def verify_llm(checkpoint: Path, prompts=("a photo of the cat", "red car"), tokens: int = 8) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.llm.sampling import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=16))
+    for prompt, seq in zip(prompts, engine.generate(list(prompts), SamplingParams(max_tokens=tokens))):
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            expected = reference.generate(**ids, max_new_tokens=tokens, do_sample=False)[0, ids.input_ids.shape[1]:]
+        expected = expected.tolist()
+        if engine.eos_ids and expected[-1] in engine.eos_ids:
+            expected = expected[:-1]
+        if seq.output_ids != expected[:len(seq.output_ids)] or len(seq.output_ids) != len(expected):
+            raise VerificationError(f"llm: greedy tokens for {prompt!r} differ from transformers: "
+                                    f"{seq.output_ids} vs {expected}")
+
+
+def tensorrt_llm_unavailable() -> str | None:
+    try:
+        import tensorrt_llm  # noqa: F401
+    except ImportError:
+        return ("tensorrt_llm is not installed (its wheels come from NVIDIA's index, which this environment cannot "
+                "reach); build with --runtime torch")
+    return None
+
+
+
+def build_tensorrt_llm(opts: BuildOptions) -> None:
+    """A TensorRT-LLM engine through its documented LLM API, for tensorrtllm_backend. NOT verified here: TensorRT-LLM
+    cannot be installed in our environment, and the `llm` model in this repository serves the PyTorch engine only."""
+    if reason := tensorrt_llm_unavailable():
+        raise RuntimeError(reason)
+    from tensorrt_llm import LLM, BuildConfig
+
+    engine_dir = opts.repository / opts.model_name("llm") / "1" / "tensorrt_llm"
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[opts.precision]
+    llm = LLM(model=str(opts.checkpoint), dtype=dtype, build_config=BuildConfig(max_batch_size=opts.max_batch_size))
+    llm.save(str(engine_dir))
+    print(f"llm: TensorRT-LLM engine saved to {engine_dir}; serve it with tensorrtllm_backend (the `llm` model here "
+          "runs the PyTorch engine)")

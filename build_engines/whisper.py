@@ -1,0 +1,62 @@
+"""whisper: a Hugging Face Whisper checkpoint placed in the repository as it is (the engine in backends/whisper runs
+transformers' encoder and decoder modules with its own KV cache), served by the `mm_whisper` backend."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.whisper.engine import WhisperEngine, WhisperParams
+from build_engines.common import BuildOptions, Progress, instance_kind, place_and_verify, up_to_date
+from build_engines.export import VerificationError
+from build_engines.repository import PythonModelConfig, Tensor, write_engine_metadata
+
+WHISPER_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                 "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                 "normalizer.json", "added_tokens.json", "special_tokens_map.json")
+
+
+def build_whisper(opts: BuildOptions) -> None:
+    """The `whisper` model from a Hugging Face Whisper checkpoint (the engine in backends/whisper runs
+    transformers' encoder and decoder modules with its own KV cache): files linked or copied into
+    model_repository/whisper/1, greedy tokens checked against transformers generate for small checkpoints."""
+    if opts.runtime != "torch":
+        raise RuntimeError(f"whisper runs on the PyTorch engine in backends/whisper (--runtime torch), not "
+                           f"--runtime {opts.runtime}")
+    name = opts.model_name("whisper")
+    if up_to_date(opts, [name]):
+        print(f"{name}: up to date")
+        return
+    params = opts.parameters(WhisperParams, dtype=opts.precision, device=opts.device,
+                             prepare_threads=opts.prepare_threads)
+    progress = Progress(name, 3)
+    version_dir = opts.repository / name / "1"
+    place_and_verify(opts.checkpoint, version_dir, WHISPER_FILES, verify_whisper, progress)
+    with progress.step("writing config.pbtxt"):
+        opts.write(PythonModelConfig(
+            name, "mm_whisper", [Tensor("audio", "BYTES", [1]), Tensor("language", "BYTES", [1], optional=True),
+                                 Tensor("task", "BYTES", [1], optional=True),
+                                 Tensor("max_tokens", "INT32", [1], optional=True)],
+            [Tensor("text", "BYTES", [1]), Tensor("tokens", "INT32", [-1])], params,
+            max_batch_size=min(opts.max_batch_size, 16), max_queue_delay_us=opts.max_queue_delay_us, instances=1,
+            kind=instance_kind(opts)))
+        write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
+                              fingerprint=opts.fingerprint(name), checkpoint=str(opts.checkpoint.resolve()))
+
+
+def verify_whisper(checkpoint: Path, seconds=(2.0, 9.0), tokens: int = 12) -> None:
+    from transformers import WhisperForConditionalGeneration
+
+    engine = WhisperEngine(checkpoint, "fp32", "cpu")
+    reference = WhisperForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    clips = [rng.normal(0, 0.1, int(16000 * s)).astype(np.float32) for s in seconds]
+    ours = engine.transcribe(clips, ["en"] * len(clips), ["transcribe"] * len(clips), [tokens] * len(clips))
+    for clip, result in zip(clips, ours):
+        features = engine.features([clip], engine.device)
+        with torch.inference_mode():
+            expected = reference.generate(features, language="en", task="transcribe", max_new_tokens=tokens)[0]
+        expected = [t for t in expected.tolist() if t != engine.eot]
+        if result.tokens != expected:
+            raise VerificationError(f"whisper greedy tokens differ from transformers: {result.tokens} vs {expected}")

@@ -1,8 +1,0 @@
-"""`clip_vision`: encoded image -> L2-normalised image embedding. Logic: backends.encoders.ImageEncoder."""
-from backends.encoders import ImageEncoder
-from backends.triton_model import BatchedTritonModel
-
-
-class TritonPythonModel(BatchedTritonModel):
-    def __init__(self) -> None:
-        super().__init__(ImageEncoder)

@@ -1,0 +1,131 @@
+"""backends/core/adapter.py with a stand-in for Triton's python-backend module: the instance's device is picked,
+parameters are read through the schema at load, and a request that fails fails alone."""
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from backends.core.adapter import BatchedBackend
+from backends.core.errors import InvalidInput
+from backends.core.params import ParameterError
+from backends.vision.encoders import EncoderParams
+
+
+class FakeError:
+    INVALID_ARG, INTERNAL, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"
+
+    def __init__(self, message, code):
+        self.message, self.code = message, code
+
+
+class FakeResponse:
+    def __init__(self, tensors=(), error=None):
+        self.tensors, self.error = list(tensors), error
+
+
+class FakeRequest:
+    def __init__(self, inputs: dict, parameters: dict | None = None):
+        self.inputs, self.params = inputs, parameters or {}
+
+    def parameters(self):
+        return json.dumps(self.params)
+
+
+@pytest.fixture
+def pb(monkeypatch):
+    module = types.SimpleNamespace(
+        TritonError=FakeError, InferenceResponse=FakeResponse, Tensor=lambda name, value: (name, value),
+        Logger=types.SimpleNamespace(log_info=lambda m: None, log_warn=lambda m: None, log_error=lambda m: None),
+        get_input_tensor_by_name=lambda request, name: (
+            types.SimpleNamespace(as_numpy=lambda: request.inputs[name]) if name in request.inputs else None))
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", module)
+    return module
+
+
+def model_args(name: str, input_name: str, kind: str = "CPU", device_id: int = 0, **parameters) -> dict:
+    config = {"input": [{"name": input_name}], "output": [{"name": "out"}],
+              "parameters": {k: {"string_value": v} for k, v in parameters.items()}}
+    return {"model_config": json.dumps(config), "model_name": name, "model_version": "1",
+            "model_repository": "/nonexistent", "model_instance_kind": kind, "model_instance_device_id": str(device_id)}
+
+
+@pytest.mark.parametrize("model, input_name, encoder", [("vit", "image", "ImageEncoder"),
+                                                        ("clip_vision", "image", "ImageEncoder"),
+                                                        ("clip_text", "text", "TextEncoder")])
+def test_encoder_instances_run_on_their_own_device(pb, monkeypatch, model, input_name, encoder):
+    import backends.mm_encoder.model as mm_encoder
+
+    created = []
+    monkeypatch.setattr(mm_encoder, encoder, lambda folder, params, device: created.append((params, device)))
+    gpu = mm_encoder.TritonPythonModel()
+    gpu.initialize(model_args(model, input_name, kind="GPU", device_id=1, runtime="torch"))
+    cpu = mm_encoder.TritonPythonModel()
+    cpu.initialize(model_args(model, input_name, kind="CPU", device="cpu"))
+    assert [device for _, device in created] == ["cuda:1", "cpu"]
+    assert created[0][0] == EncoderParams(runtime="torch")
+
+
+def test_an_unknown_parameter_fails_the_load(pb):
+    import backends.mm_encoder.model as mm_encoder
+
+    with pytest.raises(ParameterError, match=r"unknown parameter\(s\) \['max_pixel'\]"):
+        mm_encoder.TritonPythonModel().initialize(model_args("vit", "image", max_pixel="100"))
+
+
+class Doubler(BatchedBackend[EncoderParams]):
+    """Items are numbers; 'bad' is the client's mistake; 13 breaks the shared engine call."""
+    Params = EncoderParams
+    calls: list
+
+    def load(self):
+        self.calls = []
+
+    def read(self, inputs):
+        value = inputs.array("x")
+        if value is None:
+            raise InvalidInput("x is required")
+        return [int(value.reshape(-1)[0])]
+
+    def prepare(self, item):
+        if item < 0:
+            raise KeyError("/secret/path/weights.bin")
+        return item
+
+    def infer(self, batch):
+        self.calls.append(len(batch))
+        if [13] in batch:
+            raise RuntimeError("boom")
+        return [2 * items[0] for items in batch]
+
+    def respond(self, output):
+        return FakeResponse([("y", output)])
+
+
+def test_a_failing_request_fails_alone(pb):
+    model = Doubler()
+    model.initialize(model_args("doubler", "x", prepare_threads="2"))
+    requests = [FakeRequest({"x": np.array([1])}), FakeRequest({}), FakeRequest({"x": np.array([13])}),
+                FakeRequest({"x": np.array([-1])}), FakeRequest({"x": np.array([4])})]
+    responses = model.execute(requests)
+    assert responses[0].tensors == [("y", 2)] and responses[4].tensors == [("y", 8)]
+    assert (responses[1].error.code, responses[1].error.message) == ("INVALID_ARG", "invalid input: x is required")
+    for failed in (responses[2], responses[3]):  # unexpected failures: INTERNAL, no internals in the message
+        assert failed.error.code == "INTERNAL" and "doubler failed on this request" in failed.error.message
+        assert "secret" not in failed.error.message and "boom" not in failed.error.message
+    assert model.calls == [3, 1, 1, 1]  # the shared call failed, then each of its three requests ran alone
+    model.finalize()
+
+
+def test_request_parameters_are_checked_and_faults_injected_only_when_enabled(pb, monkeypatch):
+    model = Doubler()
+    model.initialize(model_args("doubler", "x"))
+    (refused,) = model.execute([FakeRequest({"x": np.array([1])}, {"inject_fault": "infer"})])
+    assert refused.error.code == "INVALID_ARG" and "inject_fault" in refused.error.message
+    monkeypatch.setenv("MM_FAULT_INJECTION", "1")
+    model.initialize(model_args("doubler", "x"))
+    for stage in ("read", "prepare", "infer"):
+        good, bad = model.execute([FakeRequest({"x": np.array([1])}),
+                                   FakeRequest({"x": np.array([2])}, {"inject_fault": stage})])
+        assert good.tensors == [("y", 2)] and bad.error.code == "INTERNAL", stage

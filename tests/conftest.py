@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from backends.core.adapter import FAULTS_ENV
 from backends.server import TritonServer, free_port
 from build_engines.checkpoints import tiny_checkpoint
 from build_engines.cli import main as build_engines
@@ -81,7 +82,8 @@ def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint
 
 @pytest.fixture(scope="session")
 def server(repository) -> TritonServer:
-    """A real tritonserver on free ports, started by the same launcher `make serve` uses."""
-    with TritonServer(repository, free_port(), free_port(), free_port(),
-                      ROOT / "logs" / "test-tritonserver.log") as running:
+    """A real tritonserver on free ports, started by the same launcher `make serve` uses, with test-only fault
+    injection enabled (a request parameter `inject_fault` makes that request fail; see backends/core/adapter.py)."""
+    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-tritonserver.log",
+                      env={FAULTS_ENV: "1"}) as running:
         yield running

@@ -1,5 +1,6 @@
 """Bad input gets INVALID_ARG naming the problem, and the server keeps serving the next good request."""
 import re
+import time
 
 import numpy as np
 import pytest
@@ -52,8 +53,11 @@ def test_bad_input_is_invalid_arg_and_server_keeps_serving(server, protocol, mod
 
 
 def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server):
-    """Requests merged by the dynamic batcher are validated one by one: only the bad one errors."""
+    """Requests merged by the dynamic batcher are validated one by one: only the bad ones error, and the server's
+    statistics show that they were batched."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.test_backends import stats
 
     def one(i):
         data = b"broken" if i % 4 == 0 else GOOD
@@ -63,9 +67,16 @@ def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server):
         except InferenceServerException as exc:
             return str(exc.status())
 
+    before = stats("vit", server)
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(32)))
     assert results == ["400" if i % 4 == 0 else "ok" for i in range(32)]
+    deadline = time.monotonic() + 10  # statistics are recorded after the responses went out
+    while (after := stats("vit", server))[0] - before[0] < 24:
+        assert time.monotonic() < deadline, "the statistics never counted the good requests"
+        time.sleep(0.05)
+    executions = after[1] - before[1]
+    assert executions < 32, f"not batched: {executions} executions for 32 requests"
 
 
 def test_server_still_healthy_after_all_bad_input(server):

@@ -6,6 +6,7 @@ import tritonclient.grpc as grpc
 import tritonclient.http as http
 
 MODELS = {"vit": ["image"], "clip_vision": ["image"], "clip_text": ["text"], "clip": ["image", "text"]}  # inputs
+BACKENDS = {"vit": "mm_encoder", "clip_vision": "mm_encoder", "clip_text": "mm_encoder", "clip": "mm_clip"}
 
 
 @pytest.fixture(params=["http", "grpc"])
@@ -29,7 +30,7 @@ def test_model_ready_and_metadata(triton, model):
     inputs = meta["inputs"] if isinstance(meta, dict) else [{"name": i.name, "datatype": i.datatype} for i in meta.inputs]
     assert [(i["name"], i["datatype"]) for i in inputs] == [(name, "BYTES") for name in MODELS[model]]
     config = triton.get_model_config(model)
-    assert (config["backend"] if isinstance(config, dict) else config.config.backend) == "python"
+    assert (config["backend"] if isinstance(config, dict) else config.config.backend) == BACKENDS[model]
 
 
 def test_unknown_model_is_not_ready(server):
@@ -43,7 +44,21 @@ def test_python_stub_runs_in_the_venv_with_numpy_below_2(server):
     assert int(numpy.__version__.split(".")[0]) < 2
     config = http.InferenceServerClient(server.http_url).get_model_config("vit")
     env = config["parameters"]["EXECUTION_ENV_PATH"]["string_value"]
-    assert env and (Path(env) / "bin" / "python").exists()
+    assert env.startswith("$$TRITON_MODEL_DIRECTORY/")  # relative to the model folder: no machine paths
+    venv = Path(env.replace("$$TRITON_MODEL_DIRECTORY", str(server.repository / "vit")))
+    assert (venv / "bin" / "python").exists()
+
+
+def test_model_folders_hold_no_code_and_name_one_of_our_backends(repository):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from backends.server import our_backends
+
+    assert not list(repository.rglob("*.py"))
+    for config in repository.glob("*/config.pbtxt"):
+        backend = text_format.Parse(config.read_text(), mc.ModelConfig()).backend
+        assert backend in our_backends(), f"{config}: backend {backend!r}"
 
 
 def test_explicit_model_control_loads_and_unloads_on_request(repository, tmp_path):

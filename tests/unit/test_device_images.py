@@ -1,8 +1,10 @@
-"""AnyRes preprocessing with torch (backends/device_images.py) against the Pillow path, which equals transformers:
+"""AnyRes preprocessing with torch (backends/media/device_images.py) against the Pillow path, which equals transformers:
 same plan and layout, pixels within rounding; decoding falls back to Pillow with the same checks."""
 from __future__ import annotations
 
 import io
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -47,11 +49,11 @@ def test_tiles_match_the_pillow_path_within_rounding(preprocess, height, width):
     assert np.abs(levels).mean() < 0.25, "more than rounding: the mean difference is a quarter of a level"
 
 
-@pytest.mark.parametrize("kind", ["cmyk-jpeg", "exif-rotated-jpeg", "png-16bit", "rgba-png", "gif"])
-def test_decode_falls_back_to_pillow_with_the_same_pixels(kind):
-    image = random_image(40, 24, seed=3)
-    out = io.BytesIO()
-    if kind == "cmyk-jpeg":
+def encoded(kind: str) -> bytes:
+    image, out = random_image(40, 24, seed=3), io.BytesIO()
+    if kind == "rgb-jpeg":
+        image.save(out, "JPEG")
+    elif kind == "cmyk-jpeg":
         image.convert("CMYK").save(out, "JPEG")
     elif kind == "exif-rotated-jpeg":
         exif = Image.Exif()
@@ -63,12 +65,50 @@ def test_decode_falls_back_to_pillow_with_the_same_pixels(kind):
         random_image(40, 24, seed=4, mode="RGBA").save(out, "PNG")
     else:
         image.save(out, "GIF")
-    data = out.getvalue()
-    pixels = decode_to_device(data, CPU, nvjpeg=False)
-    expected = np.asarray(decode_image(data)).transpose(2, 0, 1)
-    np.testing.assert_array_equal(pixels.numpy(), expected)
+    return out.getvalue()
+
+
+@pytest.fixture
+def nvjpeg(monkeypatch):
+    """A stand-in for torchvision's nvJPEG decoder (absent on CPU machines): it records what it was asked to decode,
+    returns a marker, or fails as nvJPEG does on a JPEG it cannot take."""
+    calls, behaviour = [], {"fail": False}
+
+    def decode_jpeg(data, mode, device):
+        calls.append(bytes(data.numpy()))
+        if behaviour["fail"]:
+            raise RuntimeError("nvjpegDecode failed")
+        return torch.full((3, 1, 1), 7, dtype=torch.uint8)
+    io_module = types.SimpleNamespace(decode_jpeg=decode_jpeg, ImageReadMode=types.SimpleNamespace(RGB="RGB"))
+    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(io=io_module))
+    monkeypatch.setitem(sys.modules, "torchvision.io", io_module)
+    return calls, behaviour
+
+
+def test_plain_jpegs_go_to_nvjpeg(nvjpeg):
+    calls, _ = nvjpeg
+    data = encoded("rgb-jpeg")
+    assert decode_to_device(data, CPU, nvjpeg=True).unique().tolist() == [7] and calls == [data]
+
+
+@pytest.mark.parametrize("kind", ["cmyk-jpeg", "exif-rotated-jpeg", "png-16bit", "rgba-png", "gif"])
+def test_what_nvjpeg_cannot_decode_goes_to_pillow_with_the_same_pixels(nvjpeg, kind):
+    calls, _ = nvjpeg
+    data = encoded(kind)
+    pixels = decode_to_device(data, CPU, nvjpeg=True)
+    assert calls == []  # routed around nvJPEG, not through it
+    np.testing.assert_array_equal(pixels.numpy(), np.asarray(decode_image(data)).transpose(2, 0, 1))
     if kind == "exif-rotated-jpeg":
         assert tuple(pixels.shape[1:]) == (40, 24)
+
+
+def test_a_jpeg_nvjpeg_refuses_is_decoded_by_pillow(nvjpeg):
+    calls, behaviour = nvjpeg
+    behaviour["fail"] = True
+    data = encoded("rgb-jpeg")
+    pixels = decode_to_device(data, CPU, nvjpeg=True)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(pixels.numpy(), np.asarray(decode_image(data)).transpose(2, 0, 1))
 
 
 @pytest.mark.parametrize("data, reason", [(b"", "empty"), (b"not an image at all", "not a known image format")])

@@ -1,5 +1,6 @@
-"""Everything the Triton model folders run: decoding, preprocessing, runtimes, model classes, the server launcher.
+"""Triton Python-based custom backends (`mm_*/model.py`, one per kind of model) and the library they call.
 
-Model folders under model_repository/ only hold a config.pbtxt and a ~10-line model.py that delegates here, so all
-logic is importable and unit-testable without a server.
+Model folders under model_repository/ hold only a config.pbtxt naming one of these backends, plus built artefacts;
+everything else lives here, in packages that need no server: core/ (shared serving pieces), media/ (decoding),
+vision/, llm/, whisper/, sam/ (the engines).
 """

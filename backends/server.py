@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-
 BACKENDS = Path(__file__).resolve().parent  # our Python-based backends: BACKENDS/<name>/model.py
 DEFAULT_BACKEND_DIR = Path("/opt/tritonserver/backends")  # where an installed tritonserver (NGC image) has them
 

@@ -256,8 +256,7 @@ def tiny_whisper(out: Path, num_mel_bins: int = 80, d_model: int = 64, layers: i
     tokenizer above and a generation config like the released checkpoints' (languages, tasks, suppressed tokens).
     `decoder_std` None keeps transformers' initialisation (real-size presets); `half` saves fp16 weights."""
     import torch
-    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
-                              WhisperForConditionalGeneration)
+    from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
     tokenizer = whisper_tokenizer()
@@ -304,8 +303,15 @@ def tiny_sam(out: Path, hidden: int = 32, layers: int = 2, heads: int = 2, chann
     `init_range` sets the prompt encoder and mask decoder's weights: 0.25 gives the tiny decoder IoU scores and mask
     logits of order 1 (at transformers' 0.02 they are ~1e-4, too small for a 1e-3 score check to mean anything)."""
     import torch
-    from transformers import (SamConfig, SamImageProcessorPil, SamMaskDecoderConfig, SamModel, SamProcessor,
-                              SamPromptEncoderConfig, SamVisionConfig)
+    from transformers import (
+        SamConfig,
+        SamImageProcessorPil,
+        SamMaskDecoderConfig,
+        SamModel,
+        SamProcessor,
+        SamPromptEncoderConfig,
+        SamVisionConfig,
+    )
 
     torch.manual_seed(0)
     config = SamConfig(

@@ -16,10 +16,21 @@ import torch
 
 from backends.core.devices import DTYPES
 from backends.core.params import Parameters
-from build_engines.export import EngineSpec, build_tensorrt, export_onnx, export_torch, profile_shapes, \
-    tensorrt_unavailable, verify
+from build_engines.export import (
+    EngineSpec,
+    build_tensorrt,
+    export_onnx,
+    export_torch,
+    profile_shapes,
+    tensorrt_unavailable,
+    verify,
+)
 from build_engines.repository import PythonModelConfig, execution_env, write_engine_metadata, write_model
 
+BACKENDS = Path(__file__).resolve().parents[1] / "backends"
+# where the backends' parameter schemas live: the configs written depend on them as on the builder's own code
+SCHEMA_SOURCES = ("core/params.py", "vision/encoders.py", "vision/clip.py", "vision/anyres.py", "vision/llava_vision.py",
+                  "llm/engine.py", "whisper/engine.py", "sam/engine.py")
 BATCH = ("batch", 4096)  # dynamic batch axis of every engine (symbolic name, largest size)
 VERIFY_BELOW_BYTES = 512 * 2**20  # greedy parity with transformers on the CPU: cheap only for small models
 P = TypeVar("P", bound=Parameters)
@@ -45,11 +56,13 @@ class BuildOptions:
         return self.name or default
 
     def fingerprint(self, family: str) -> str:
-        """Changes whenever the checkpoint, an option that shapes the artefacts or the builder's own code changes."""
+        """Changes whenever the checkpoint, an option that shapes the artefacts, the builder's own code or a
+        backend's parameter schema changes."""
         weights = sorted(p for p in self.checkpoint.iterdir() if p.is_file())
         stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
         options = {k: str(v.resolve() if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "force"}
-        code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py"))))
+        sources = [*sorted(Path(__file__).parent.glob("*.py")), *(BACKENDS / name for name in SCHEMA_SOURCES)]
+        code = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
         return hashlib.sha256(json.dumps([family, options, stamp, code.hexdigest()]).encode()).hexdigest()[:16]
 
     def parameters(self, schema: type[P], **builder_values) -> P:
@@ -90,13 +103,15 @@ def instance_kind(opts: BuildOptions) -> str:
     return {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}.get(opts.device, "KIND_AUTO")
 
 
-def up_to_date(opts: BuildOptions, names: list[str]) -> bool:
+def up_to_date(opts: BuildOptions, names: list[str], label: str | None = None) -> bool:
+    """Whether every named model was built from this checkpoint, these options and this code (then says so)."""
     for name in names:
         meta = opts.repository / name / "1" / "engine.json"
         if opts.force or not meta.exists() or not (opts.repository / name / "config.pbtxt").exists():
             return False
         if json.loads(meta.read_text()).get("fingerprint") != opts.fingerprint(name):
             return False
+    print(f"{label or names[0]}: up to date")
     return True
 
 

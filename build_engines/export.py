@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+
 class VerificationError(RuntimeError):
     """The exported engine does not compute what the PyTorch module computes."""
 

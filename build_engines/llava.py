@@ -16,7 +16,6 @@ def build_anyres(opts: BuildOptions) -> None:
     """Its tiling settings (pinpoints, tile, patch, feature selection) and image processor config; no weights."""
     name = opts.model_name("anyres")
     if up_to_date(opts, [name]):
-        print(f"{name}: up to date")
         return
     tiler = tiler_from_checkpoint(opts.checkpoint)  # a checkpoint that is not LLaVA-NeXT-like fails here
     version_dir = opts.repository / name / "1"
@@ -40,7 +39,6 @@ def build_anyres(opts: BuildOptions) -> None:
 def build_vlm(opts: BuildOptions) -> None:
     name = opts.model_name("vlm")
     if up_to_date(opts, [name]):
-        print(f"{name}: up to date")
         return
     tiler_from_checkpoint(opts.checkpoint)  # a checkpoint that is not LLaVA-NeXT-like fails here
     params = opts.parameters(VLMParams, dtype=opts.precision, device=opts.device, prepare_threads=opts.prepare_threads)

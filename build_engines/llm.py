@@ -30,7 +30,6 @@ def build_llm(opts: BuildOptions) -> None:
                            f"(--runtime tensorrt_llm), not --runtime {opts.runtime}")
     name = opts.model_name("llm")
     if up_to_date(opts, [name]):
-        print(f"{name}: up to date")
         return
     ModelArgs.from_checkpoint(opts.checkpoint)  # an unsupported family fails here, before anything is copied
     params = opts.parameters(EngineConfig, dtype=opts.precision, device=opts.device)  # bad overrides fail here too

@@ -18,7 +18,6 @@ def build_sam(opts: BuildOptions) -> None:
 
     name = opts.model_name("sam")
     if up_to_date(opts, [name]):
-        print(f"{name}: up to date")
         return
     params = opts.parameters(SamParams, runtime=opts.runtime, device=opts.device)
     progress = Progress(name, 8 if opts.runtime == "tensorrt" else 6)

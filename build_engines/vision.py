@@ -82,7 +82,6 @@ def build_vit(opts: BuildOptions) -> None:
 
     name = opts.model_name("vit")
     if up_to_date(opts, [name]):
-        print(f"{name}: up to date")
         return
     progress = Progress(name, 4)
     version_dir = opts.repository / name / "1"
@@ -108,8 +107,7 @@ def build_clip(opts: BuildOptions) -> None:
     if opts.name:
         raise RuntimeError("clip builds three models with fixed names (clip_vision, clip_text, clip): no --name")
     names = ["clip_vision", "clip_text"]
-    if up_to_date(opts, names):
-        print("clip: up to date")
+    if up_to_date(opts, names, "clip"):
         return
     progress = Progress("clip", 6)
     with progress.step(f"loading {opts.checkpoint}"):

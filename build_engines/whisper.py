@@ -26,7 +26,6 @@ def build_whisper(opts: BuildOptions) -> None:
                            f"--runtime {opts.runtime}")
     name = opts.model_name("whisper")
     if up_to_date(opts, [name]):
-        print(f"{name}: up to date")
         return
     params = opts.parameters(WhisperParams, dtype=opts.precision, device=opts.device,
                              prepare_threads=opts.prepare_threads)

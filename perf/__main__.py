@@ -12,14 +12,13 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from backends.vision.encoders import EncoderParams
 from backends.server import TritonServer, free_port
+from backends.vision.encoders import EncoderParams
 from perf.analyzer import run_perf_analyzer, sweep
 from perf.baseline import in_process_throughput
 from perf.inputs import IMAGE_SETS, model_input_data, model_items
 from perf.llm_scenarios import calibration_bench, served_llm_bench
 from perf.report import hardware_line, write_sweep, write_table
-
 
 
 def bench_model(model: str, server: TritonServer, repository: Path, results: Path, tmp: Path,

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from backends.llm.sampling import SamplingParams
 from backends.core.devices import DTYPES
 from backends.llm.engine import EngineConfig, EngineStats, LLMEngine
+from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import byte_level_tokenizer, tiny_checkpoint
-from perf.report import hardware_line, stem, write_table
+from perf.report import hardware_line, write_table
 
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,

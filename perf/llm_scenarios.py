@@ -118,8 +118,8 @@ def preprocessing_ms(folder: Path, image: bytes, device: str, repeats: int = 5) 
     import torch
 
     from backends.media import device_images
-    from backends.vision.anyres import image_processor_config, tiler_from_checkpoint
     from backends.media.images import ImagePreprocessor, decode_image
+    from backends.vision.anyres import image_processor_config, tiler_from_checkpoint
 
     tiler = tiler_from_checkpoint(folder)
     preprocess = ImagePreprocessor.from_dict(image_processor_config(folder))

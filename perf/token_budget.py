@@ -18,8 +18,13 @@ from pathlib import Path
 
 import torch
 
-from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler, grid_pinpoints, image_processor_config, \
-    tiler_from_checkpoint
+from backends.vision.anyres import (
+    LLAVA_1_6_PINPOINTS,
+    AnyResTiler,
+    grid_pinpoints,
+    image_processor_config,
+    tiler_from_checkpoint,
+)
 from perf.report import write_table
 
 SIZES = [(336, 336), (1024, 1024), (1920, 1080), (3840, 2160), (4000, 500), (500, 4000), (2048, 300)]  # (w, h)
@@ -45,10 +50,10 @@ def budget_rows() -> list[list]:
 
 def pruning_rows(keep_ratio: float = 0.5, max_tokens: int = 16) -> list[list]:
     """Greedy answers of the tiny LLaVA-NeXT with all visual tokens and with `keep_ratio` of the tiles' tokens."""
+    from backends.llm.engine import EngineConfig, LLMEngine
     from backends.llm.sampling import SamplingParams
     from backends.media.images import ImagePreprocessor
     from backends.vision.llava_vision import LlavaVision
-    from backends.llm.engine import EngineConfig, LLMEngine
     from build_engines.checkpoints import tiny_checkpoint
     from perf.inputs import IMAGE_SET, photo_like
 

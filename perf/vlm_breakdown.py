@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 
-from backends.media import device_images
-from backends.vision.anyres import image_processor_config, tiler_from_checkpoint
-from backends.llm.sampling import SamplingParams
-from backends.media.images import ImagePreprocessor, decode_image
-from backends.vision.llava_vision import LlavaVision
 from backends.llm.engine import EngineConfig, LLMEngine
-from backends.vision.llava_vision import expand_placeholder
+from backends.llm.sampling import SamplingParams
+from backends.media import device_images
+from backends.media.images import ImagePreprocessor, decode_image
+from backends.vision.anyres import image_processor_config, tiler_from_checkpoint
+from backends.vision.llava_vision import LlavaVision, expand_placeholder
 from perf.inputs import encoded_images
 from perf.report import hardware_line, stem
 

@@ -20,13 +20,12 @@ import torch
 from backends.core.devices import DTYPES, resolve_device
 from backends.core.errors import InvalidInput
 from backends.core.params import Parameters, bounded, choice, device
-from backends.llm.sampling import SamplingParams
 from backends.llm.attention import AttentionMetadata
 from backends.llm.detokenizer import append_text, flush_text
 from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from backends.llm.model import load_model
 from backends.llm.runner import ModelRunner
-from backends.llm.sampling import sample
+from backends.llm.sampling import SamplingParams, sample
 from backends.llm.scheduler import Scheduler
 from backends.llm.sequence import Sequence
 

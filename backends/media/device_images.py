@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from backends.vision.anyres import AnyResPlan, AnyResTiler
 from backends.media.images import DEFAULT_MAX_PIXELS, ImagePreprocessor, load_rgb, open_image
+from backends.vision.anyres import AnyResPlan, AnyResTiler
 
 TORCH_MODES = {Image.Resampling.BICUBIC: "bicubic", Image.Resampling.BILINEAR: "bilinear"}
 EXIF_ORIENTATION = 0x0112

@@ -1,1 +1,1 @@
-"""Whisper speech recognition: features, batched greedy decoding with a KV cache, long-audio chunking, Triton model."""
+"""Whisper speech recognition: features, batched greedy decoding with a KV cache, long-audio chunking."""

@@ -10,8 +10,8 @@ from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
 from transformers.image_processing_utils import get_patch_output_size, select_best_resolution
 from transformers.image_utils import ChannelDimension
 
-from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler, grid_pinpoints
 from backends.media.images import ImagePreprocessor
+from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler, grid_pinpoints
 from tests.conftest import random_image
 
 RNG = np.random.default_rng(7)

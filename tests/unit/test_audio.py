@@ -9,8 +9,8 @@ import soxr
 import torch
 from transformers import WhisperFeatureExtractor
 
-from backends.media.audio import AudioLimits, decode_audio
 from backends.core.errors import InvalidInput
+from backends.media.audio import AudioLimits, decode_audio
 from backends.whisper.features import LogMel
 from tests.conftest import wav
 

@@ -7,8 +7,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder
 from backends.core.runtime import TorchRuntime, load_runtime
+from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder
 from build_engines.cli import main as build
 from build_engines.repository import PythonModelConfig, Tensor, serialize_bytes_tensor
 from tests.conftest import encode, random_image

@@ -17,8 +17,15 @@ from tritonclient.utils import InferenceServerException
 
 import client.__main__ as cli
 from backends.server import free_port
-from client.sdk import (Client, default_url, generate_request_body, generated_texts, generation_arrays,
-                        http_error_message, server_sent_events)
+from client.sdk import (
+    Client,
+    default_url,
+    generate_request_body,
+    generated_texts,
+    generation_arrays,
+    http_error_message,
+    server_sent_events,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler
-from backends.media.device_images import anyres_tiles, decode_to_device
 from backends.core.errors import InvalidInput
+from backends.media.device_images import anyres_tiles, decode_to_device
 from backends.media.images import ImagePreprocessor, decode_image
+from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler
 from tests.conftest import random_image
 
 CPU = torch.device("cpu")

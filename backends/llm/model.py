@@ -2,11 +2,13 @@
 
 Tokens of a step arrive flattened ([T] ids, [T] positions); `AttentionMetadata` says which sequence each belongs
 to and where its keys live. The weights load straight from a Hugging Face checkpoint's safetensors (q/k/v and
-gate/up fused on load, so a step runs two matmuls per attention block and two per MLP). The linear layers are plain
-`torch.nn.Linear`, kept behind `make_linear` so quantised (FP8) or LoRA layers can replace them later.
+gate/up fused on load, so a step runs two matmuls per attention block and two per MLP). The linear layers come from
+`make_linear`: plain `torch.nn.Linear`, or `Fp8Linear` for an FP8 checkpoint (backends/llm/fp8.py); LoRA will
+plug in there too.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
+from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -55,8 +58,11 @@ class ModelArgs:
                    tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
 
-def make_linear(in_features: int, out_features: int, bias: bool) -> nn.Module:
-    """The seam for FP8 / LoRA linear layers."""
+def make_linear(in_features: int, out_features: int, bias: bool, fp8: Fp8Scheme | None = None,
+                name: str = "") -> nn.Module:
+    """The seam for FP8 / LoRA linear layers: FP8 where the checkpoint's scheme quantizes this layer."""
+    if fp8 is not None and fp8.quantizes(name):
+        return Fp8Linear(in_features, out_features, bias, static_input=fp8.activations == "tensor")
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -105,13 +111,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.kernels = kernels
         self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias)
-        self.o_proj = make_linear(self.q_size, args.hidden_size, False)
+        self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias, fp8)
+        self.o_proj = make_linear(self.q_size, args.hidden_size, False, fp8)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -123,10 +129,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, fp8: Fp8Scheme | None = None):
         super().__init__()
-        self.gate_up_proj = make_linear(args.hidden_size, 2 * args.intermediate_size, False)
-        self.down_proj = make_linear(args.intermediate_size, args.hidden_size, False)
+        self.gate_up_proj = make_linear(args.hidden_size, 2 * args.intermediate_size, False, fp8)
+        self.down_proj = make_linear(args.intermediate_size, args.hidden_size, False, fp8)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,12 +140,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.self_attn = Attention(args, kernels)
+        self.self_attn = Attention(args, kernels, fp8)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.mlp = MLP(args, kernels)
+        self.mlp = MLP(args, kernels, fp8)
 
     def forward(self, x, cos, sin, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
@@ -147,14 +153,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels | None = None):
+    def __init__(self, args: ModelArgs, kernels: Kernels | None = None, fp8: Fp8Scheme | None = None):
         super().__init__()
-        self.args = args
+        self.args, self.fp8 = args, fp8
         kernels = kernels or Kernels()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, kernels) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.lm_head = make_linear(args.hidden_size, args.vocab_size, False)
+        self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, fp8, "lm_head")
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
@@ -214,10 +220,16 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
 
     path = Path(path)
     args = ModelArgs.from_checkpoint(path)
+    fp8 = Fp8Scheme.from_config(json.loads((path / "config.json").read_text()).get("quantization_config"))
     with torch.device("meta"):
-        model = DecoderModel(args, Kernels.compiled() if compile_kernels else None)
-    model = model.to_empty(device=device).to(dtype)
+        model = DecoderModel(args, Kernels.compiled() if compile_kernels else None, fp8)
+    model = model.to_empty(device=device)
     params = dict(model.named_parameters())
+    for name, param in params.items():  # FP8 weights and their fp32 scales keep their types
+        if name.endswith("input_scale"):
+            param.data.zero_()  # the largest of the fused parts' scales is taken below
+        elif param.dtype != FP8 and not name.endswith("_scale"):
+            param.data = param.data.to(dtype)
     loaded: set[tuple[str, int]] = set()
     for key, tensor in checkpoint_tensors(path) if tensors is None else tensors:
         parts = key.removeprefix("language_model.").removeprefix("model.").split(".")
@@ -226,14 +238,17 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
         if len(parts) > 3 and parts[-2] in FUSED:
             target, shard = FUSED[parts[-2]]
             name = ".".join([*parts[:-2], target, parts[-1]])
-            sizes = _shard_sizes(args, target, params[name].shape[0])
-            start = sum(sizes[:shard])
-            params[name].data[start:start + sizes[shard]].copy_(tensor)
+            if name.endswith("input_scale"):  # one static scale for the fused input: the parts' largest
+                params[name].data = torch.maximum(params[name].data, tensor.float().reshape(()).to(device))
+            else:
+                sizes = _shard_sizes(args, target, params[name].shape[0])
+                start = sum(sizes[:shard])
+                params[name].data[start:start + sizes[shard]].copy_(tensor)  # a per-tensor scale fills its rows
         else:
             name, shard = ".".join(parts), 0
             if name not in params:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry
-            params[name].data.copy_(tensor)
+            params[name].data.copy_(tensor.reshape(params[name].shape) if name.endswith("input_scale") else tensor)
         loaded.add((name, shard))
     if ("lm_head.weight", 0) not in loaded:  # tied embeddings
         model.lm_head.weight = model.embed_tokens.weight

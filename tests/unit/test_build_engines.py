@@ -136,3 +136,19 @@ def test_gguf_and_pretrained_sources_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build(["llm", "--checkpoint", str(tmp_path / "missing.gguf")])
     assert "no such GGUF file" in capsys.readouterr().err
+
+
+def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm_checkpoint):
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.fp8 import Fp8Linear
+    from backends.llm.sampling import SamplingParams
+
+    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--repository",
+                  str(tmp_path)]) == 0
+    assert EngineConfig.from_config(read_params(tmp_path / "llm" / "config.pbtxt")).dtype == "bf16"
+    engine = LLMEngine(tmp_path / "llm" / "1", EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
+    assert isinstance(engine.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    (seq,) = engine.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
+    assert len(seq.output_ids) == 4
+    with pytest.raises(SystemExit):
+        build(["vit", "--checkpoint", str(llm_checkpoint), "--precision", "fp8"])

@@ -1,0 +1,115 @@
+"""FP8 E4M3 linear layers and the checkpoint layout they load from.
+
+Weights are stored in float8_e4m3fn with a scale per output channel (a per-tensor scale is the same thing with equal
+rows, which is also how fused q/k/v and gate/up projections keep each part's own scale); activations are quantized
+per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, `torch._scaled_mm`
+multiplies the FP8 operands; elsewhere the same product is computed from the dequantized operands in fp32, so CPU
+tests check the arithmetic the GPU runs (up to the order of the fp32 accumulation).
+
+Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compressor writes and vLLM reads:
+`<linear>.weight` in float8_e4m3fn, `<linear>.weight_scale` ([out, 1] per channel or [1] per tensor),
+`<linear>.input_scale` for static activations, and a `quantization_config` in config.json.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+MIN_SCALE = 1e-12  # an all-zero row or token still gets a usable scale
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a checkpoint's linear layers are quantized (compressed-tensors' names)."""
+
+    weights: str = "channel"  # "channel" or "tensor"
+    activations: str = "token"  # "token" (dynamic) or "tensor" (static, calibrated input_scale)
+    ignore: tuple[str, ...] = ("lm_head",)
+
+    @classmethod
+    def from_config(cls, quantization_config: dict | None) -> Fp8Scheme | None:
+        """The scheme of a compressed-tensors float-quantized config; None for an unquantized checkpoint."""
+        if not quantization_config:
+            return None
+        method, fmt = quantization_config.get("quant_method"), quantization_config.get("format")
+        if method != "compressed-tensors" or fmt != "float-quantized":
+            raise ValueError(f"quantization {method!r} / {fmt!r} is not supported; FP8 checkpoints in "
+                             "compressed-tensors' float-quantized format are")
+        groups = list(quantization_config["config_groups"].values())
+        if len(groups) != 1:
+            raise ValueError(f"{len(groups)} quantization groups; one (all Linear layers) is supported")
+        weights, inputs = groups[0]["weights"], groups[0].get("input_activations") or {}
+        if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or \
+                (inputs and (inputs.get("type"), inputs.get("num_bits")) != ("float", 8)):
+            raise ValueError("only 8-bit float weights and activations are supported")
+        activations = "token" if inputs.get("dynamic", True) else "tensor"
+        ignore = tuple(quantization_config.get("ignore", ()))
+        if any("lm_head" not in pattern for pattern in ignore):
+            raise ValueError(f"ignore {list(ignore)}: only the LM head may stay unquantized")
+        return cls(weights["strategy"], activations, ignore)
+
+    def quantizes(self, name: str) -> bool:
+        """Whether the layer `name` ("" for a decoder projection, "lm_head") is FP8."""
+        return not any(name and (p == name or (p.startswith("re:") and re.fullmatch(p[3:], name))) for p in self.ignore)
+
+    def to_config(self) -> dict:
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(self.ignore),
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": self.weights, "symmetric": True,
+                                "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": self.activations,
+                                          "symmetric": True, "dynamic": self.activations == "token"}}}}
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to E4M3 (saturating at +-448)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def weight_scale(weight: torch.Tensor, strategy: str) -> torch.Tensor:
+    """[out, 1] for "channel", [1] for "tensor": the largest magnitude maps to 448."""
+    amax = weight.abs().float().amax(dim=1, keepdim=True) if strategy == "channel" else weight.abs().float().amax()[None]
+    return (amax / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def quantize_weight(weight: torch.Tensor, strategy: str = "channel") -> tuple[torch.Tensor, torch.Tensor]:
+    scale = weight_scale(weight, strategy)
+    return quantize(weight, scale.view(-1, 1) if scale.numel() > 1 else scale), scale
+
+
+def token_scales(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token activation scales [T, 1]."""
+    return (x.abs().float().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W in E4M3 and per-row scales, x quantized per token or with a static scale."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, static_input: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, 1), requires_grad=False)
+        self.input_scale = nn.Parameter(torch.zeros(()), requires_grad=False) if static_input else None
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_scale = token_scales(x) if self.input_scale is None else self.input_scale.expand(x.shape[0], 1)
+        xq = quantize(x, x_scale)
+        if scaled_mm_available(x.device) and x.dtype == torch.bfloat16:
+            return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale.contiguous(),
+                                    scale_b=self.weight_scale.view(1, -1), bias=self.bias, out_dtype=x.dtype)
+        out = (xq.float() * x_scale) @ (self.weight.float() * self.weight_scale).t()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)

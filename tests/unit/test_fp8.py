@@ -1,0 +1,112 @@
+"""FP8 E4M3 (backends/llm/fp8.py): quantization error bounds, the scaled product against float, and an FP8
+checkpoint in compressed-tensors' layout loading into the engine as the model its dequantized weights describe."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from backends.llm.fp8 import FP8, FP8_MAX, Fp8Linear, Fp8Scheme, quantize, quantize_weight, token_scales
+from backends.llm.model import checkpoint_tensors, load_model
+from build_engines.checkpoints import tiny_checkpoint
+from build_engines.quantize import write_fp8_checkpoint
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_round_trip_error_is_within_e4m3_precision(strategy):
+    weight = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different magnitudes
+    q, scale = quantize_weight(weight, strategy)
+    assert q.dtype == FP8 and scale.shape == ((64, 1) if strategy == "channel" else (1,))
+    restored = q.float() * scale.view(-1, 1)
+    # E4M3 keeps 3 mantissa bits: half a step is 2^-4 relative; below its normal range the step is 2^-9 * scale
+    bound = weight.abs() * 2 ** -4 + scale.view(-1, 1) * 2 ** -9 + 1e-12
+    assert ((restored - weight).abs() <= bound).all()
+    assert (q.float().abs().amax(dim=1) == FP8_MAX).any()  # the range is used up to 448
+
+
+def test_a_row_of_zeros_and_saturation_are_safe():
+    q, scale = quantize_weight(torch.zeros(2, 16))
+    assert torch.isfinite(scale).all() and (q.float() == 0).all()
+    assert quantize(torch.tensor([1e9, -1e9]), torch.tensor(1.0)).float().tolist() == [FP8_MAX, -FP8_MAX]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_linear_computes_the_product_of_its_quantized_operands(static):
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(5, 32), torch.randn(24, 32), torch.randn(24)
+    layer = Fp8Linear(32, 24, bias=True, static_input=static)
+    layer.weight.data, layer.weight_scale.data = quantize_weight(weight)
+    layer.bias.data = bias
+    if static:
+        layer.input_scale.data = x.abs().amax() / FP8_MAX
+    out = layer(x)
+    x_scale = layer.input_scale.expand(5, 1) if static else token_scales(x)
+    expected = (quantize(x, x_scale).double() * x_scale) @ (layer.weight.double() * layer.weight_scale).t() + bias
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    exact = x @ weight.t() + bias  # and it is the float product up to FP8 rounding of both operands
+    assert ((out - exact).abs() <= 0.1 * exact.abs().mean()).float().mean() > 0.95
+
+
+def test_scheme_reads_and_writes_compressed_tensors_configs():
+    scheme = Fp8Scheme("tensor", "tensor")
+    assert Fp8Scheme.from_config(scheme.to_config()) == scheme
+    assert Fp8Scheme.from_config(None) is None
+    assert not Fp8Scheme(ignore=("re:.*lm_head",)).quantizes("lm_head") and Fp8Scheme().quantizes("")
+    with pytest.raises(ValueError, match="not supported"):
+        Fp8Scheme.from_config({"quant_method": "gptq"})
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "tiny-llm-fp8"
+    write_fp8_checkpoint(tiny_checkpoint("llm", ROOT / ".checkpoints"), out)
+    return out
+
+
+def test_our_fp8_checkpoint_has_the_compressed_tensors_layout(fp8_checkpoint):
+    config = json.loads((fp8_checkpoint / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["format"]) == ("compressed-tensors", "float-quantized")
+    tensors = dict(checkpoint_tensors(fp8_checkpoint))
+    name = "model.layers.0.self_attn.q_proj"
+    assert tensors[f"{name}.weight"].dtype == FP8 and tensors[f"{name}.weight_scale"].shape[1] == 1
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float32 and "lm_head.weight_scale" not in tensors
+    assert (fp8_checkpoint / "tokenizer.json").exists()
+
+
+def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoint, tmp_path):
+    """The engine's FP8 model (fused q/k/v and gate/up with each part's scales) against a float model holding the
+    dequantized weights whose projections quantize their inputs per token the same way: equal logits."""
+    from safetensors.torch import save_file
+
+    tensors = dict(checkpoint_tensors(fp8_checkpoint))
+    save_file({name: t.float() * tensors[name + "_scale"] if t.dtype == FP8 else t for name, t in tensors.items()
+               if not name.endswith("_scale")}, str(tmp_path / "model.safetensors"))
+    config = json.loads((fp8_checkpoint / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fp8 = load_model(fp8_checkpoint, torch.float32, "cpu")
+    reference = load_model(tmp_path, torch.float32, "cpu")
+    assert isinstance(fp8.layers[0].mlp.down_proj, Fp8Linear) and not isinstance(reference.layers[0].mlp.down_proj,
+                                                                                  Fp8Linear)
+    for layer in reference.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.register_forward_pre_hook(lambda _, args: (quantize(args[0], s := token_scales(args[0])).float() * s,))
+    ids = torch.tensor([5, 17, 3, 42, 8, 11])
+    torch.testing.assert_close(logits(fp8, ids), logits(reference, ids), rtol=1e-4, atol=1e-4)
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Last-position logits of one prompt through the model's own paged attention (one block holds it)."""
+    from backends.llm.attention import AttentionMetadata
+    from backends.llm.kv_cache import allocate_kv_cache
+
+    args, n = model.args, len(ids)
+    cache = allocate_kv_cache(args.num_hidden_layers, 2, 16, args.num_key_value_heads, args.head_dim, torch.float32,
+                              "cpu")
+    positions = torch.arange(n)
+    meta = AttentionMetadata(positions, torch.zeros(1, 1, dtype=torch.int32), positions[None], (torch.zeros(n,
+                             dtype=torch.int64), positions), n, (n,))
+    with torch.inference_mode():
+        return model.logits(model(ids, positions, cache, meta)[-1:])

@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"default per family: {DEFAULT_RUNTIME}")
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32",
                         help="fp8 (llm only): E4M3 weights per channel, activations per token, the rest in bf16")
+    parser.add_argument("--calibration", type=Path, help="with --precision fp8: a text file of prompts (one per "
+                        "line) for static activation scales (default: dynamic, per token)")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--name", help="model name (default: the family's), e.g. a second llm from another checkpoint")
     parser.add_argument("--max-batch-size", type=int, default=64)
@@ -82,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--random-init {args.random_init} is a {RANDOM_INIT[args.random_init][0]} model, not {args.model}")
     if args.precision == "fp8" and args.model != "llm":
         parser.error("--precision fp8 is for llm (its engine has FP8 linear layers)")
+    if args.calibration and (args.precision != "fp8" or not args.calibration.is_file()):
+        parser.error("--calibration needs --precision fp8 and an existing text file")
     if args.pretrained and PRETRAINED[args.pretrained].family != args.model:
         parser.error(f"--pretrained {args.pretrained} is a {PRETRAINED[args.pretrained].family} model, not {args.model}")
     if args.checkpoint and args.checkpoint.suffix == ".gguf":
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint = args.checkpoint or tiny_checkpoint(family)
         opts = BuildOptions(checkpoint, args.runtime or DEFAULT_RUNTIME[family], args.precision, args.repository,
                             args.max_batch_size, args.max_queue_delay_us, args.instances, args.device,
-                            args.execution_env, args.prepare_threads, args.force, args.name, args.overrides)
+                            args.execution_env, args.prepare_threads, args.force, args.name, args.overrides,
+                            args.calibration)
         try:
             FAMILIES[family](opts)
         except (RuntimeError, ValueError) as exc:  # unavailable runtime, failed verification, bad parameter: one line

@@ -51,6 +51,7 @@ class BuildOptions:
     force: bool = False
     name: str | None = None  # the model's name when it is not the family's default (a second checkpoint)
     overrides: dict[str, str] = field(default_factory=dict)  # backend parameters set on the command line
+    calibration: Path | None = None  # fp8: text file, one prompt per line, for static activation scales
 
     def model_name(self, default: str) -> str:
         return self.name or default
@@ -61,6 +62,8 @@ class BuildOptions:
         weights = sorted(p for p in self.checkpoint.iterdir() if p.is_file())
         stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
         options = {k: str(v.resolve() if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "force"}
+        if self.calibration:
+            options["calibration_text"] = self.calibration.read_text()
         sources = [*sorted(Path(__file__).parent.glob("*.py")), *(BACKENDS / name for name in SCHEMA_SOURCES)]
         code = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
         return hashlib.sha256(json.dumps([family, options, stamp, code.hexdigest()]).encode()).hexdigest()[:16]

@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from backends.llm.engine import EngineConfig, LLMEngine
+from backends.llm.fp8 import Fp8Scheme
 from backends.llm.model import ModelArgs
 from backends.llm.requests import GENERATION_INPUTS
 from build_engines.common import BuildOptions, Progress, instance_kind, place_and_verify, up_to_date
 from build_engines.export import VerificationError
-from build_engines.quantize import write_fp8_checkpoint
+from build_engines.quantize import calibrate, write_fp8_checkpoint
 from build_engines.repository import PythonModelConfig, Tensor, write_engine_metadata
 
 LLM_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -38,14 +39,28 @@ def build_llm(opts: BuildOptions) -> None:
     progress = Progress(name, 3)
     version_dir = opts.repository / name / "1"
     if fp8:
-        with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights, per-token activations)"):
-            write_fp8_checkpoint(opts.checkpoint, version_dir)
+        scales = calibration_scales(opts.checkpoint, opts.calibration) if opts.calibration else None
+        scheme = Fp8Scheme("channel", "token" if scales is None else "tensor")
+        with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights, "
+                           f"{'per-token' if scales is None else 'calibrated static'} activations)"):
+            write_fp8_checkpoint(opts.checkpoint, version_dir, scheme, scales)
     else:
         place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
     with progress.step("writing config.pbtxt"):
         opts.write(generation_config(opts, name, "mm_llm", [], params))
         write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
                               fingerprint=opts.fingerprint(name), checkpoint=str(opts.checkpoint.resolve()))
+
+
+def calibration_scales(checkpoint: Path, prompts_file: Path) -> dict[str, float]:
+    """Static input scales from the prompts of a text file (one per line), as the checkpoint's tokenizer reads them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = [line for line in prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{prompts_file}: no prompts to calibrate with")
+    return calibrate(checkpoint, [tokenizer(p)["input_ids"] for p in prompts])
 
 
 def generation_config(opts: BuildOptions, name: str, backend: str, extra_inputs: list[Tensor],

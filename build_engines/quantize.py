@@ -13,13 +13,45 @@ from backends.llm.model import checkpoint_tensors
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme()) -> None:
+FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+               "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def calibrate(source: Path, prompts: list[list[int]]) -> dict[str, float]:
+    """Static input scales: the largest input magnitude each projection sees over `prompts` (token ids), / 448,
+    keyed by the checkpoint's layer names (q/k/v share one input, as do gate/up)."""
+    import torch
+
+    from backends.llm.fp8 import FP8_MAX
+    from backends.llm.model import load_model
+    from backends.llm.scoring import sequence_logits
+
+    model = load_model(source, torch.float32, "cpu")
+    amax: dict[str, float] = {}
+    for i, layer in enumerate(model.layers):
+        for fused in FUSED_PARTS:
+            module = layer.get_submodule(fused)
+            key = f"{i}.{fused}"
+            module.register_forward_pre_hook(lambda _, args, key=key: amax.__setitem__(
+                key, max(amax.get(key, 0.0), args[0].abs().max().item())))
+    for ids in prompts:
+        sequence_logits(model, ids)
+    return {f"model.layers.{key.split('.', 1)[0]}.{part}": value / FP8_MAX for key, value in amax.items()
+            for part in FUSED_PARTS[key.split(".", 1)[1]]}
+
+
+def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(),
+                         input_scales: dict[str, float] | None = None) -> None:
     """`out` gets the quantized safetensors, config.json with the quantization_config, and every other file of
-    `source` (tokenizer, chat template, generation config)."""
+    `source` (tokenizer, chat template, generation config). Static activations (scheme.activations "tensor") take
+    their scales from `input_scales` (see `calibrate`)."""
+    import torch
     from safetensors.torch import save_file
 
-    if scheme.activations != "token":
-        raise ValueError("static activation scales need calibration, which is not built yet: use dynamic (token)")
+    if (scheme.activations == "tensor") != (input_scales is not None):
+        raise ValueError("static activation scales come from calibration: give input_scales exactly when the "
+                         "scheme's activations are 'tensor'")
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
@@ -30,8 +62,10 @@ def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(
     tensors = {}
     for name, tensor in checkpoint_tensors(source):
         if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
-            tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = quantize_weight(tensor,
-                                                                                                    scheme.weights)
+            layer = name.removesuffix(".weight")
+            tensors[name], tensors[layer + ".weight_scale"] = quantize_weight(tensor, scheme.weights)
+            if input_scales is not None:
+                tensors[layer + ".input_scale"] = torch.tensor([input_scales[layer]], dtype=torch.float32)
         else:
             tensors[name] = tensor.contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -150,5 +150,10 @@ def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm
     assert isinstance(engine.model.layers[0].self_attn.qkv_proj, Fp8Linear)
     (seq,) = engine.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
     assert len(seq.output_ids) == 4
+    (tmp_path / "prompts.txt").write_text("a photo of the cat\nred car on the grass\n")
+    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--calibration",
+                  str(tmp_path / "prompts.txt"), "--repository", str(tmp_path), "--name", "llm_static"]) == 0
+    static = LLMEngine(tmp_path / "llm_static" / "1", EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
+    assert static.model.layers[0].mlp.down_proj.input_scale.item() > 0
     with pytest.raises(SystemExit):
         build(["vit", "--checkpoint", str(llm_checkpoint), "--precision", "fp8"])

@@ -9,6 +9,7 @@ import torch
 
 from backends.llm.fp8 import FP8, FP8_MAX, Fp8Linear, Fp8Scheme, quantize, quantize_weight, token_scales
 from backends.llm.model import checkpoint_tensors, load_model
+from backends.llm.scoring import sequence_logits
 from build_engines.checkpoints import tiny_checkpoint
 from build_engines.quantize import write_fp8_checkpoint
 from tests.conftest import ROOT
@@ -93,20 +94,36 @@ def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoi
     for layer in reference.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.register_forward_pre_hook(lambda _, args: (quantize(args[0], s := token_scales(args[0])).float() * s,))
-    ids = torch.tensor([5, 17, 3, 42, 8, 11])
-    torch.testing.assert_close(logits(fp8, ids), logits(reference, ids), rtol=1e-4, atol=1e-4)
+    ids = [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3, 1, 19, 23, 8]  # two KV blocks
+    torch.testing.assert_close(sequence_logits(fp8, ids), sequence_logits(reference, ids), rtol=1e-4, atol=1e-4)
 
 
-def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    """Last-position logits of one prompt through the model's own paged attention (one block holds it)."""
-    from backends.llm.attention import AttentionMetadata
-    from backends.llm.kv_cache import allocate_kv_cache
 
-    args, n = model.args, len(ids)
-    cache = allocate_kv_cache(args.num_hidden_layers, 2, 16, args.num_key_value_heads, args.head_dim, torch.float32,
-                              "cpu")
-    positions = torch.arange(n)
-    meta = AttentionMetadata(positions, torch.zeros(1, 1, dtype=torch.int32), positions[None], (torch.zeros(n,
-                             dtype=torch.int64), positions), n, (n,))
+def test_sequence_logits_equal_transformers():
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    ids = [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3, 1, 19, 23, 8]
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.inference_mode():
-        return model.logits(model(ids, positions, cache, meta)[-1:])
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(sequence_logits(load_model(checkpoint, torch.float32, "cpu"), ids), expected,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_static_scales_from_calibration_load_and_bound_the_inputs(tmp_path):
+    from build_engines.quantize import calibrate
+
+    source = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    prompts = [[5, 17, 3, 42, 8], [11, 9, 30, 2, 7, 12, 40]]
+    scales = calibrate(source, prompts)
+    assert scales["model.layers.0.self_attn.q_proj"] == scales["model.layers.0.self_attn.v_proj"] > 0
+    write_fp8_checkpoint(source, tmp_path, Fp8Scheme("tensor", "tensor"), scales)
+    assert Fp8Scheme.from_config(json.loads((tmp_path / "config.json").read_text())["quantization_config"]) == \
+        Fp8Scheme("tensor", "tensor")
+    model = load_model(tmp_path, torch.float32, "cpu")
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.input_scale.item() == pytest.approx(scales["model.layers.0.self_attn.q_proj"])
+    assert torch.isfinite(sequence_logits(model, prompts[1])).all()
+    with pytest.raises(ValueError, match="calibration"):
+        write_fp8_checkpoint(source, tmp_path / "x", Fp8Scheme("channel", "tensor"))

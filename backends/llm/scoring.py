@@ -1,0 +1,24 @@
+"""Logits of every position of whole sequences (teacher forcing): how quantized models are compared with the model
+they came from. One sequence at a time through the model's own paged attention, over a cache that holds just it."""
+from __future__ import annotations
+
+import torch
+
+from backends.llm.attention import AttentionMetadata
+from backends.llm.kv_cache import allocate_kv_cache
+from backends.llm.model import DecoderModel
+
+
+@torch.inference_mode()
+def sequence_logits(model: DecoderModel, ids: list[int] | torch.Tensor, block_size: int = 16) -> torch.Tensor:
+    """float32 [len(ids), vocab]: row i scores the token after ids[i]."""
+    device = model.embed_tokens.weight.device
+    ids = torch.as_tensor(ids, device=device)
+    args, n = model.args, len(ids)
+    blocks = -(-n // block_size)
+    cache = allocate_kv_cache(args.num_hidden_layers, blocks, block_size, args.num_key_value_heads, args.head_dim,
+                              model.embed_tokens.weight.dtype, device)
+    positions = torch.arange(n, device=device)
+    meta = AttentionMetadata(positions, torch.arange(blocks, device=device, dtype=torch.int32)[None], positions[None],
+                             (torch.zeros(n, dtype=torch.int64, device=device), positions), n, (n,))
+    return model.logits(model(ids, positions, cache, meta))

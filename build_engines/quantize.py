@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from backends.llm.fp8 import Fp8Scheme, quantize_weight
 from backends.llm.model import checkpoint_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -41,12 +45,29 @@ def calibrate(source: Path, prompts: list[list[int]]) -> dict[str, float]:
             for part in FUSED_PARTS[key.split(".", 1)[1]]}
 
 
+def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme = Fp8Scheme(),
+                      input_scales: dict[str, float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) pairs with every decoder projection's weight in E4M3 plus its scales (on the
+    tensors' own device: the GPU benchmark quantizes its random weights there)."""
+    import torch
+
+    for name, tensor in tensors:
+        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
+            layer = name.removesuffix(".weight")
+            weight, scale = quantize_weight(tensor.detach(), scheme.weights)
+            yield name, weight
+            yield layer + ".weight_scale", scale
+            if input_scales is not None:
+                yield layer + ".input_scale", torch.tensor([input_scales[layer]], dtype=torch.float32)
+        else:
+            yield name, tensor.contiguous()
+
+
 def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(),
                          input_scales: dict[str, float] | None = None) -> None:
     """`out` gets the quantized safetensors, config.json with the quantization_config, and every other file of
     `source` (tokenizer, chat template, generation config). Static activations (scheme.activations "tensor") take
     their scales from `input_scales` (see `calibrate`)."""
-    import torch
     from safetensors.torch import save_file
 
     if (scheme.activations == "tensor") != (input_scales is not None):
@@ -59,15 +80,7 @@ def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(
         if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json",
                                                                                  "model.safetensors.index.json"):
             shutil.copy2(file, out / file.name)
-    tensors = {}
-    for name, tensor in checkpoint_tensors(source):
-        if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
-            layer = name.removesuffix(".weight")
-            tensors[name], tensors[layer + ".weight_scale"] = quantize_weight(tensor, scheme.weights)
-            if input_scales is not None:
-                tensors[layer + ".input_scale"] = torch.tensor([input_scales[layer]], dtype=torch.float32)
-        else:
-            tensors[name] = tensor.contiguous()
+    tensors = dict(quantized_tensors(checkpoint_tensors(source), scheme, input_scales))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = scheme.to_config()

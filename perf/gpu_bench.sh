@@ -9,7 +9,9 @@
 #   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
 #   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16;
-#   "sam": encoder and decoder requests/s vs concurrency of the served sam, ViT-H shapes, random bf16)
+#   "sam": encoder and decoder requests/s vs concurrency of the served sam, ViT-H shapes, random bf16;
+#   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
+#   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8))
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -99,5 +101,11 @@ if [[ " ${SCENARIOS:-images} " == *" sam "* ]]; then
     "${build[@]}" sam --random-init sam-vit-h --runtime torch --precision bf16 --device cuda
   fi
   "$py" -m perf.sam_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" fp8 "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8.py
+  "$py" -m perf.fp8_layers --results "$results" --host "${HOST:-gpu}"
+  "$py" -m perf.llm_engine --random-init llama-3-8b --dtype fp8 --scenario llm-engine-fp8 --results "$results" \
+    --host "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

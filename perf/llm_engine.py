@@ -7,11 +7,17 @@
    all requests added at once) against transformers `generate` with one static batch of N.
 Output lengths are forced (min_tokens = max_tokens, transformers' min_new_tokens) so both produce the same tokens
 count. Weights: a local checkpoint, the tiny one, or a real-size random init (`--random-init llama-3-8b`).
+
+`--dtype fp8` compares instead the engine in bf16 with the engine on the same weights quantized to FP8 E4M3
+(per-channel weights, per-token activations; backends/llm/fp8.py), one after the other in the same run: decode
+tokens/s at batch 1, the concurrent run, and the time each engine takes to be ready.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import shutil
 import socket
 import sys
 import tempfile
@@ -23,7 +29,10 @@ import torch
 from backends.core.devices import DTYPES
 from backends.llm.engine import EngineConfig, EngineStats, LLMEngine
 from backends.llm.sampling import SamplingParams
+from backends.llm.fp8 import Fp8Scheme
+from backends.llm.model import checkpoint_tensors
 from build_engines.checkpoints import byte_level_tokenizer, tiny_checkpoint
+from build_engines.quantize import quantized_tensors
 from perf.report import hardware_line, write_table
 
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -135,12 +144,79 @@ def load_reference(args, device: torch.device, dtype: torch.dtype):
     return checkpoint, model, None
 
 
+def fp8_checkpoint(checkpoint: Path) -> Path:
+    """A folder with `checkpoint`'s config (plus the FP8 quantization_config) and tokenizer, for weights passed in."""
+    folder = Path(tempfile.mkdtemp(prefix="llm-fp8-"))
+    for file in Path(checkpoint).iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copy2(file, folder / file.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = Fp8Scheme().to_config()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def compare_fp8(args, device: torch.device, bandwidth: float) -> tuple[list[list[str]], list[str]]:
+    """bf16 and FP8 engines on the same weights, one after the other: table rows and notes."""
+    checkpoint, reference, weights = load_reference(args, device, torch.bfloat16)
+    weights = weights or list(checkpoint_tensors(checkpoint))
+    del reference  # `weights` keeps the tensors
+    found: dict[str, dict[str, float]] = {}
+    notes = []
+    for precision in ("bf16", "fp8"):
+        start = time.perf_counter()
+        config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
+                              kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
+                              compile_kernels=args.compile_kernels)
+        if precision == "bf16":
+            engine = LLMEngine(checkpoint, config, weights)
+        else:  # quantized on the device as the engine loads them (part of its ready time)
+            engine = LLMEngine(fp8_checkpoint(checkpoint), config, quantized_tensors(weights))
+        sync(device)
+        ready_s = time.perf_counter() - start
+        vocab = engine.model.args.vocab_size
+        engine_concurrent(engine, prompts(4, 16, vocab, seed=3), 4)  # warm-up (compiles kernels)
+        print(f"{precision}: ready in {ready_s:.1f}s; batch 1 ...", flush=True)
+        batch1 = engine_batch1(engine, prompts(1, args.input_tokens, vocab, seed=1)[0], args.batch1_tokens)
+        engine.stats = EngineStats()
+        concurrent = engine_concurrent(engine, prompts(args.concurrency, args.input_tokens, vocab, seed=2),
+                                       args.output_tokens)
+        roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
+        found[precision] = dict(batch1=batch1, concurrent=concurrent, ready=ready_s, roofline=roofline,
+                                replay=graph_replay_ms(engine) or float("nan"))
+        print(f"{precision}: batch 1 {batch1:.1f} tokens/s ({100 * batch1 / roofline:.0f}% of roofline "
+              f"{roofline:.1f}), {args.concurrency} concurrent {concurrent:.1f} tokens/s", flush=True)
+        notes.append(f"{precision} engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks;"
+                     f" {len(engine.runner.graphs)} decode graphs captured at start.")
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bf16, fp8 = found["bf16"], found["fp8"]
+    rows = [["decode tokens/s, batch 1", f"{bf16['batch1']:.1f}", f"{fp8['batch1']:.1f}",
+             f"{fp8['batch1'] / bf16['batch1']:.2f}",
+             f"roofline bf16 {bf16['roofline']:.1f} ({100 * bf16['batch1'] / bf16['roofline']:.0f}%), fp8 "
+             f"{fp8['roofline']:.1f} ({100 * fp8['batch1'] / fp8['roofline']:.0f}%)"],
+            [f"output tokens/s, {args.concurrency} x {args.input_tokens} in / {args.output_tokens} out",
+             f"{bf16['concurrent']:.1f}", f"{fp8['concurrent']:.1f}", f"{fp8['concurrent'] / bf16['concurrent']:.2f}",
+             "all requests added at once"],
+            ["batch-1 decode step replayed from its CUDA graph, ms", f"{bf16['replay']:.2f}", f"{fp8['replay']:.2f}",
+             f"{fp8['replay'] / bf16['replay']:.2f}", "the GPU's share of a step"],
+            ["engine ready, s", f"{bf16['ready']:.1f}", f"{fp8['ready']:.1f}", f"{fp8['ready'] / bf16['ready']:.2f}",
+             "load (FP8: quantizing on the device included) + KV cache + graph capture"]]
+    notes.append("FP8: E4M3 weights with per-channel scales, activations quantized per token; linear layers of up to "
+                 "4 tokens run the Triton kernel of backends/llm/fp8_gemv.py, larger ones torch._scaled_mm; "
+                 "embedding, norms, attention and the LM head in bf16.")
+    return rows, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.llm_engine", description=__doc__)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path)
     source.add_argument("--random-init", choices=["llama-3-8b"])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=[*sorted(DTYPES), "fp8"], default="fp32",
+                        help="fp8: the bf16 engine against the FP8 one instead of against transformers")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--input-tokens", type=int, default=128)
@@ -152,9 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())
     args = parser.parse_args(argv)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device = torch.device(args.device)
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
+    if args.dtype == "fp8":
+        rows, notes = compare_fp8(args, device, bandwidth)
+        model = "random init llama-3-8b shapes" if args.random_init else args.checkpoint or "the tiny checkpoint"
+        notes.insert(0, f"Model: {model}. Device copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s.")
+        hardware = hardware_line("n/a (in-process)")
+        path = write_table(args.results / args.host, args.scenario, ["measure", "bf16", "fp8", "fp8 / bf16", "note"],
+                           rows, hardware, notes)
+        print(path.read_text())
+        return 0
+    dtype = DTYPES[args.dtype]
     checkpoint, reference, weights = load_reference(args, device, dtype)
     start = time.perf_counter()
     engine = LLMEngine(checkpoint, EngineConfig(dtype=args.dtype, device=str(device), max_batch=args.concurrency,

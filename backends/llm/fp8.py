@@ -2,8 +2,8 @@
 
 Weights are stored in float8_e4m3fn with a scale per output channel (a per-tensor scale is the same thing with equal
 rows, which is also how fused q/k/v and gate/up projections keep each part's own scale); activations are quantized
-per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, `torch._scaled_mm`
-multiplies the FP8 operands; elsewhere the same product is computed from the dequantized operands in fp32, so CPU
+per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, a Triton kernel
+(fp8_gemv.py) multiplies decode-sized batches and `torch._scaled_mm` larger ones; elsewhere the same product is computed from the dequantized operands in fp32, so CPU
 tests check the arithmetic the GPU runs (up to the order of the fp32 accumulation).
 
 Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compressor writes and vLLM reads:
@@ -13,6 +13,7 @@ Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compr
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row or token still gets a usable scale
+GEMV_MAX_ROWS = 4  # up to this many tokens, the Triton kernel of fp8_gemv.py; above, cuBLAS' FP8 GEMM
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,18 @@ def scaled_mm_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+@functools.cache
+def gemv_kernel(device: torch.device):
+    """backends/llm/fp8_gemv.fp8_gemv where it can run (Triton on an FP8-capable GPU), else None."""
+    if not scaled_mm_available(device) or os.environ.get("MM_FP8_GEMV", "1") == "0":
+        return None
+    try:
+        from backends.llm.fp8_gemv import fp8_gemv
+    except ImportError:
+        return None
+    return fp8_gemv
+
+
 class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in E4M3 and per-row scales, x quantized per token or with a static scale."""
 
@@ -107,6 +121,8 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_ROWS and (gemv := gemv_kernel(x.device)) is not None:
+            return gemv(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         x_scale = token_scales(x) if self.input_scale is None else self.input_scale.expand(x.shape[0], 1)
         xq = quantize(x, x_scale)
         if scaled_mm_available(x.device) and x.dtype == torch.bfloat16:

@@ -50,6 +50,34 @@ def test_fp8_linear_computes_the_product_of_its_quantized_operands(static):
     assert ((out - exact).abs() <= 0.1 * exact.abs().mean()).float().mean() > 0.95
 
 
+def gemv_kernel():
+    from backends.llm.fp8 import gemv_kernel
+
+    return gemv_kernel(torch.device("cuda", 0)) if torch.cuda.is_available() else None
+
+
+@pytest.mark.skipif(gemv_kernel() is None, reason="needs Triton and a GPU with FP8 (run on the H200: perf/gpu_bench.sh)")
+@pytest.mark.parametrize("rows,static,bias", [(1, False, False), (2, True, True), (4, False, True), (3, True, False)])
+def test_triton_gemv_computes_fp8_linears_product(rows, static, bias):
+    """The decode-size kernel against the fallback's arithmetic (float product of the quantized operands), on
+    shapes that do not divide its blocks."""
+    torch.manual_seed(rows)
+    layer = Fp8Linear(1000, 333, bias=bias, static_input=static).cuda()
+    layer.weight.data, layer.weight_scale.data = quantize_weight(torch.randn(333, 1000, device="cuda"))
+    x = torch.randn(rows, 1000, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 1, rows, device="cuda")[:, None]
+    if bias:
+        layer.bias.data = torch.randn(333, device="cuda")
+    if static:
+        layer.input_scale.data = x.abs().amax().float() / FP8_MAX
+    x_scale = layer.input_scale.expand(rows, 1) if static else token_scales(x)
+    expected = (quantize(x, x_scale).double() * x_scale) @ (layer.weight.double() * layer.weight_scale).t()
+    expected += layer.bias.double() if bias else 0
+    out = gemv_kernel()(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().mean().item())
+    assert torch.equal(layer(x), out)  # up to GEMV_MAX_ROWS rows, the layer runs the kernel
+
+
 def test_scheme_reads_and_writes_compressed_tensors_configs():
     scheme = Fp8Scheme("tensor", "tensor")
     assert Fp8Scheme.from_config(scheme.to_config()) == scheme

@@ -64,7 +64,7 @@ def test_triton_gemv_computes_fp8_linears_product(rows, static, bias):
     torch.manual_seed(rows)
     layer = Fp8Linear(1000, 333, bias=bias, static_input=static).cuda()
     layer.weight.data, layer.weight_scale.data = quantize_weight(torch.randn(333, 1000, device="cuda"))
-    x = torch.randn(rows, 1000, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 1, rows, device="cuda")[:, None]
+    x = (torch.randn(rows, 1000, device="cuda") * torch.logspace(-2, 1, rows, device="cuda")[:, None]).bfloat16()
     if bias:
         layer.bias.data = torch.randn(333, device="cuda")
     if static:

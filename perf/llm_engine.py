@@ -28,9 +28,9 @@ import torch
 
 from backends.core.devices import DTYPES
 from backends.llm.engine import EngineConfig, EngineStats, LLMEngine
-from backends.llm.sampling import SamplingParams
 from backends.llm.fp8 import Fp8Scheme
 from backends.llm.model import checkpoint_tensors
+from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import byte_level_tokenizer, tiny_checkpoint
 from build_engines.quantize import quantized_tensors
 from perf.report import hardware_line, write_table

@@ -10,7 +10,7 @@ mask); it runs on CPU and GPU. A fused paged-attention kernel can replace `paged
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,15 @@ class AttentionMetadata:
     token_index: tuple[torch.Tensor, torch.Tensor] | None  # (seq, query) of each of the T tokens; None: decode
     max_context_len: int  # longest sequence in the cache after this step
     fresh_lengths: tuple[int, ...] | None = None  # prefill where no sequence had anything cached: their lengths
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def mask(self, length: int) -> torch.Tensor:
+        """[B, 1, max_query, length]: which of the first `length` cached keys each query sees (causal, and in the
+        cache). Every layer asks the same, so it is made once per step."""
+        if self._mask is None or self._mask.shape[-1] != length:
+            key_positions = torch.arange(length, device=self.query_positions.device)
+            self._mask = key_positions[None, None, None, :] <= self.query_positions[:, None, :, None]
+        return self._mask
 
 
 def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -52,8 +61,7 @@ def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta
                                                        is_causal=True, enable_gqa=gqa)[0].transpose(0, 1))
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
-    key_positions = torch.arange(keys.shape[2], device=q.device)
-    mask = key_positions[None, None, None, :] <= meta.query_positions[:, None, :, None]  # causal, and in the cache
+    mask = meta.mask(keys.shape[2])
     if meta.token_index is None:
         # decode: the query heads sharing a KV head become that head's queries, [B, kv_heads, group, head_dim], so
         # no kernel expands the keys and values to every query head (what enable_gqa costs outside flash)

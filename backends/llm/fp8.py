@@ -3,8 +3,9 @@
 Weights are stored in float8_e4m3fn with a scale per output channel (a per-tensor scale is the same thing with equal
 rows, which is also how fused q/k/v and gate/up projections keep each part's own scale); activations are quantized
 per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, a Triton kernel
-(fp8_gemv.py) multiplies decode-sized batches and `torch._scaled_mm` larger ones; elsewhere the same product is computed from the dequantized operands in fp32, so CPU
-tests check the arithmetic the GPU runs (up to the order of the fp32 accumulation).
+(fp8_gemv.py) multiplies decode-sized batches and `torch._scaled_mm` larger ones; elsewhere the same product is
+computed from the dequantized operands in fp32, so CPU tests check the arithmetic the GPU runs (up to the order of
+the fp32 accumulation).
 
 Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compressor writes and vLLM reads:
 `<linear>.weight` in float8_e4m3fn, `<linear>.weight_scale` ([out, 1] per channel or [1] per tensor),
@@ -91,6 +92,13 @@ def token_scales(x: torch.Tensor) -> torch.Tensor:
     return (x.abs().float().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
 
 
+def quantize_tokens(x: torch.Tensor, x_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [T, K] in E4M3 and their scales [T, 1]: per token, or the given static ones. The model's
+    `Kernels.compiled()` makes this one fused kernel on the GPU instead of six."""
+    x_scale = token_scales(x) if x_scale is None else x_scale
+    return quantize(x, x_scale), x_scale
+
+
 @functools.cache
 def scaled_mm_available(device: torch.device) -> bool:
     """Once per device: every linear layer of every step asks."""
@@ -112,8 +120,10 @@ def gemv_kernel(device: torch.device):
 class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in E4M3 and per-row scales, x quantized per token or with a static scale."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, static_input: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, static_input: bool,
+                 quantize_inputs=quantize_tokens):
         super().__init__()
+        self.quantize_inputs = quantize_inputs
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1), requires_grad=False)
@@ -123,8 +133,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_ROWS and (gemv := gemv_kernel(x.device)) is not None:
             return gemv(x, self.weight, self.weight_scale, self.input_scale, self.bias)
-        x_scale = token_scales(x) if self.input_scale is None else self.input_scale.expand(x.shape[0], 1)
-        xq = quantize(x, x_scale)
+        static = None if self.input_scale is None else self.input_scale.expand(x.shape[0], 1)
+        xq, x_scale = self.quantize_inputs(x, static)
         if scaled_mm_available(x.device) and x.dtype == torch.bfloat16:
             return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale.contiguous(),
                                     scale_b=self.weight_scale.view(1, -1), bias=self.bias, out_dtype=x.dtype)

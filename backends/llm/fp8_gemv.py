@@ -3,11 +3,10 @@
 At batch 1 a linear layer is a matrix-vector product bound by the bytes of its weight. cuBLAS' FP8 GEMM
 (`torch._scaled_mm`) is built for big tiles and reads FP8 weights far below the memory bandwidth at small M, and the
 separate kernels that quantize the activations cost more than the product itself. Here one kernel does it all: each
-program owns BLOCK_N output features of one row, finds the row's absolute maximum (dynamic per-token scale) or takes
+program owns BLOCK_N output features, finds each row's absolute maximum (dynamic per-token scale) or takes
 the static scale, quantizes the activations to E4M3 as it streams them, and multiplies by the FP8 weights widened in
 registers. The arithmetic is `Fp8Linear`'s: products of E4M3 operands (exact in fp32) summed in fp32, then the two
-scales and the bias. Programs of the same weight block and different rows run side by side, so the rows after the
-first read the block from L2.
+scales and the bias. A program multiplies its weight block with every row, so the weights are read once.
 """
 from __future__ import annotations
 
@@ -16,39 +15,49 @@ import triton
 import triton.language as tl
 
 
+def _fits(configs, nargs, **kwargs):
+    """Configs whose [rows, BLOCK_N, BLOCK_K] product tile stays in registers."""
+    rows = kwargs.get("ROWS", nargs.get("ROWS"))
+    return [c for c in configs if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 16384]
+
+
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-             for n, k, w, s in [(16, 512, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 8, 3), (16, 1024, 8, 3),
-                                (8, 1024, 4, 4)]],
-    key=["N", "K"],
+             for n, k, w, s in [(16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 4, 6), (8, 1024, 4, 4), (8, 512, 2, 4),
+                                (32, 512, 8, 3), (64, 128, 4, 4), (16, 128, 4, 6), (8, 256, 2, 6)]],
+    key=["N", "K", "ROWS"],
+    prune_configs_by={"early_config_prune": _fits},
 )
 @triton.jit
-def _fp8_gemv(x_ptr, w_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, out_ptr, N, K,
+def _fp8_gemv(x_ptr, w_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, out_ptr, M, N, K, ROWS: tl.constexpr,
               STATIC: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0)  # fastest-varying: the rows sharing a weight block run together
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + row * K
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, ROWS)
+    in_rows = rows < M
+    x_rows = x_ptr + rows[:, None] * K
     if STATIC:
-        x_scale = tl.load(x_scale_ptr)
-    else:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            x = tl.load(x_row + start + k, mask=start + k < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        x_scale = tl.maximum(tl.max(amax) / 448.0, 1e-12)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        x_scale = tl.load(x_scale_ptr + rows * 0)
+    else:  # each row's absolute maximum, in wide strides (the row is in L2: every program reads it)
+        span = tl.arange(0, 4096 // ROWS)
+        amax = tl.zeros([ROWS, 4096 // ROWS], dtype=tl.float32)
+        for start in range(0, K, 4096 // ROWS):
+            x = tl.load(x_rows + start + span[None, :], mask=in_rows[:, None] & (start + span[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        x_scale = tl.maximum(tl.max(amax, axis=1) / 448.0, 1e-12)
+    k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         in_k = start + k < K
-        x = tl.load(x_row + start + k, mask=in_k, other=0.0).to(tl.float32)
-        xq = tl.clamp(x / x_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+        x = tl.load(x_rows + start + k[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+        xq = tl.clamp(x / x_scale[:, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
         w = tl.load(w_rows + start + k[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1)
-    out = acc * x_scale * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+        acc += tl.sum(xq[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out = acc * x_scale[:, None] * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
+        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=in_rows[:, None] & (cols[None, :] < N))
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
@@ -58,8 +67,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _fp8_gemv[grid](x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-                    bias if bias is not None else weight_scale, out, n, k,
+                    bias if bias is not None else weight_scale, out, m, n, k, ROWS=triton.next_power_of_2(m),
                     STATIC=input_scale is not None, HAS_BIAS=bias is not None)
     return out

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
-from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme
+from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme, quantize_tokens
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -58,11 +58,11 @@ class ModelArgs:
                    tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, fp8: Fp8Scheme | None = None,
+def make_linear(in_features: int, out_features: int, bias: bool, kernels: Kernels, fp8: Fp8Scheme | None = None,
                 name: str = "") -> nn.Module:
     """The seam for FP8 / LoRA linear layers: FP8 where the checkpoint's scheme quantizes this layer."""
     if fp8 is not None and fp8.quantizes(name):
-        return Fp8Linear(in_features, out_features, bias, static_input=fp8.activations == "tensor")
+        return Fp8Linear(in_features, out_features, bias, fp8.activations == "tensor", kernels.quantize_tokens)
     return nn.Linear(in_features, out_features, bias=bias)
 
 
@@ -91,11 +91,12 @@ class Kernels:
     of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels)."""
 
     rms_norm, rotate, silu_mul = staticmethod(rms_norm), staticmethod(rotate), staticmethod(silu_mul)
+    quantize_tokens = staticmethod(quantize_tokens)  # FP8 layers' activations
 
     @classmethod
     def compiled(cls) -> Kernels:
         kernels = cls()
-        for name in ("rms_norm", "rotate", "silu_mul"):
+        for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens"):
             setattr(kernels, name, torch.compile(getattr(cls, name), dynamic=True))
         return kernels
 
@@ -116,8 +117,8 @@ class Attention(nn.Module):
         self.kernels = kernels
         self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias, fp8)
-        self.o_proj = make_linear(self.q_size, args.hidden_size, False, fp8)
+        self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias, kernels, fp8)
+        self.o_proj = make_linear(self.q_size, args.hidden_size, False, kernels, fp8)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -131,8 +132,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels, fp8: Fp8Scheme | None = None):
         super().__init__()
-        self.gate_up_proj = make_linear(args.hidden_size, 2 * args.intermediate_size, False, fp8)
-        self.down_proj = make_linear(args.intermediate_size, args.hidden_size, False, fp8)
+        self.gate_up_proj = make_linear(args.hidden_size, 2 * args.intermediate_size, False, kernels, fp8)
+        self.down_proj = make_linear(args.intermediate_size, args.hidden_size, False, kernels, fp8)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +161,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, fp8, "lm_head")
+        self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, kernels, fp8, "lm_head")
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 

@@ -56,7 +56,7 @@ def gemv_kernel():
     return gemv_kernel(torch.device("cuda", 0)) if torch.cuda.is_available() else None
 
 
-@pytest.mark.skipif(gemv_kernel() is None, reason="needs Triton and a GPU with FP8 (run on the H200: perf/gpu_bench.sh)")
+@pytest.mark.skipif(gemv_kernel() is None, reason="needs Triton and an FP8 GPU (perf/gpu_bench.sh runs it)")
 @pytest.mark.parametrize("rows,static,bias", [(1, False, False), (2, True, True), (4, False, True), (3, True, False)])
 def test_triton_gemv_computes_fp8_linears_product(rows, static, bias):
     """The decode-size kernel against the fallback's arithmetic (float product of the quantized operands), on

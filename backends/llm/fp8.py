@@ -135,7 +135,8 @@ class Fp8Linear(nn.Module):
             return gemv(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         static = None if self.input_scale is None else self.input_scale.expand(x.shape[0], 1)
         xq, x_scale = self.quantize_inputs(x, static)
-        if scaled_mm_available(x.device) and x.dtype == torch.bfloat16:
+        if scaled_mm_available(x.device) and x.dtype == torch.bfloat16 and self.in_features % 16 == 0 == \
+                self.out_features % 16:  # cuBLAS' FP8 GEMM wants both dimensions in multiples of 16
             return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale.contiguous(),
                                     scale_b=self.weight_scale.view(1, -1), bias=self.bias, out_dtype=x.dtype)
         out = (xq.float() * x_scale) @ (self.weight.float() * self.weight_scale).t()

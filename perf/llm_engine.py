@@ -204,9 +204,9 @@ def compare_fp8(args, device: torch.device, bandwidth: float) -> tuple[list[list
              f"{fp8['replay'] / bf16['replay']:.2f}", "the GPU's share of a step"],
             ["engine ready, s", f"{bf16['ready']:.1f}", f"{fp8['ready']:.1f}", f"{fp8['ready'] / bf16['ready']:.2f}",
              "load (FP8: quantizing on the device included) + KV cache + graph capture"]]
-    notes.append("FP8: E4M3 weights with per-channel scales, activations quantized per token; linear layers of up to "
-                 "4 tokens run the Triton kernel of backends/llm/fp8_gemv.py, larger ones torch._scaled_mm; "
-                 "embedding, norms, attention and the LM head in bf16.")
+    notes.append("FP8: E4M3 weights with per-channel scales, activations quantized per token; linear layers of one "
+                 "token run the Triton kernel of backends/llm/fp8_gemv.py, larger ones torch._scaled_mm after one "
+                 "compiled quantization kernel; embedding, norms, attention and the LM head in bf16.")
     return rows, notes
 
 

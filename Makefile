@@ -6,7 +6,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 export HTTP_PORT GRPC_PORT METRICS_PORT
 
-.PHONY: setup engines serve demo test test-unit bench genai-perf bundle clean
+.PHONY: setup engines serve demo test test-unit bench genai-perf fp8-reference bundle clean
 
 setup:            ## venv + pinned stack + tritonserver + perf_analyzer (idempotent)
 	bash scripts/setup.sh
@@ -21,11 +21,18 @@ serve: engines    ## foreground tritonserver on HTTP_PORT/GRPC_PORT/METRICS_PORT
 demo: engines     ## start the server, call every model once, stop it
 	$(PY) -m client.demo
 
-test: engines     ## the whole suite: unit tests and integration tests against a real tritonserver
+test: engines fp8-reference  ## the whole suite: unit tests and integration tests against a real tritonserver
 	$(PY) -m pytest -q tests
 
-test-unit: setup
+test-unit: setup fp8-reference
 	$(PY) -m pytest -q tests/unit
+
+fp8-reference: setup  ## SmolLM2 in FP8 written by llm-compressor itself (own venv); the FP8 tests load it
+	$(PY) -c "from build_engines.gguf import pretrained_checkpoint; pretrained_checkpoint('smollm2')"
+	test -x .venv-llmcompressor/bin/python || (python3 -m venv .venv-llmcompressor && \
+	  .venv-llmcompressor/bin/pip install -q -r requirements-llmcompressor.txt)
+	.venv-llmcompressor/bin/python scripts/llmcompressor_fp8.py .checkpoints/pretrained-smollm2 \
+	  .checkpoints/smollm2-fp8-llmcompressor
 
 bench: engines genai-perf  ## perf scenarios (perf/) and the in-process LLM engine benchmark
 	$(PY) -m perf

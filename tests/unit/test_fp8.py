@@ -107,14 +107,14 @@ def test_our_fp8_checkpoint_has_the_compressed_tensors_layout(fp8_checkpoint):
     assert (fp8_checkpoint / "tokenizer.json").exists()
 
 
-def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoint, tmp_path):
+def assert_logits_of_dequantized_weights(fp8_checkpoint, tmp_path, ids: list[int]) -> None:
     """The engine's FP8 model (fused q/k/v and gate/up with each part's scales) against a float model holding the
     dequantized weights whose projections quantize their inputs per token the same way: equal logits."""
     from safetensors.torch import save_file
 
     tensors = dict(checkpoint_tensors(fp8_checkpoint))
-    save_file({name: t.float() * tensors[name + "_scale"] if t.dtype == FP8 else t for name, t in tensors.items()
-               if not name.endswith("_scale")}, str(tmp_path / "model.safetensors"))
+    save_file({name: t.float() * tensors[name + "_scale"].float() if t.dtype == FP8 else t.float()
+               for name, t in tensors.items() if not name.endswith("_scale")}, str(tmp_path / "model.safetensors"))
     config = json.loads((fp8_checkpoint / "config.json").read_text())
     del config["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -125,9 +125,37 @@ def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoi
     for layer in reference.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.register_forward_pre_hook(lambda _, args: (quantize(args[0], s := token_scales(args[0])).float() * s,))
-    ids = [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3, 1, 19, 23, 8]  # two KV blocks
     torch.testing.assert_close(sequence_logits(fp8, ids), sequence_logits(reference, ids), rtol=1e-4, atol=1e-4)
 
+
+def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoint, tmp_path):
+    assert_logits_of_dequantized_weights(fp8_checkpoint, tmp_path, [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3, 1,
+                                                                     19, 23, 8])  # two KV blocks
+
+
+LLM_COMPRESSOR_FP8 = ROOT / ".checkpoints" / "smollm2-fp8-llmcompressor"  # `make fp8-reference` writes it
+
+
+def test_a_checkpoint_llm_compressor_wrote_loads_as_its_dequantized_weights(smollm2_checkpoint, tmp_path):
+    """SmolLM2 quantized by llm-compressor 0.14 itself (FP8_DYNAMIC): the engine reads its scheme, its weights are
+    the ones our own quantizer makes from the same model, and it computes the logits its dequantized weights give."""
+    if not (LLM_COMPRESSOR_FP8 / "config.json").exists():
+        pytest.fail(f"{LLM_COMPRESSOR_FP8} is missing: `make fp8-reference` writes it (make test runs it)")
+    config = json.loads((LLM_COMPRESSOR_FP8 / "config.json").read_text())["quantization_config"]
+    assert Fp8Scheme.from_config(config) == Fp8Scheme("channel", "token", ("lm_head",))
+    theirs = dict(checkpoint_tensors(LLM_COMPRESSOR_FP8))
+    name = "model.layers.7.mlp.down_proj"
+    ours, scale = quantize_weight(dict(checkpoint_tensors(smollm2_checkpoint))[name + ".weight"].float())
+    assert theirs[name + ".weight"].dtype == FP8
+    torch.testing.assert_close(theirs[name + ".weight_scale"].float(), scale, rtol=1e-2, atol=0)
+    same = (theirs[name + ".weight"].float() == ours.float()).float().mean().item()
+    assert same > 0.99, f"only {same:.2%} of the E4M3 weights equal ours"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(LLM_COMPRESSOR_FP8)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, tokenize=False)
+    assert_logits_of_dequantized_weights(LLM_COMPRESSOR_FP8, tmp_path, tokenizer(chat).input_ids)
 
 
 def test_sequence_logits_equal_transformers():

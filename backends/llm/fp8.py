@@ -3,9 +3,9 @@
 Weights are stored in float8_e4m3fn with a scale per output channel (a per-tensor scale is the same thing with equal
 rows, which is also how fused q/k/v and gate/up projections keep each part's own scale); activations are quantized
 per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, a Triton kernel
-(fp8_gemv.py) multiplies decode-sized batches and `torch._scaled_mm` larger ones; elsewhere the same product is
-computed from the dequantized operands in fp32, so CPU tests check the arithmetic the GPU runs (up to the order of
-the fp32 accumulation).
+(fp8_gemv.py) multiplies batch-1 steps and `torch._scaled_mm` larger ones; elsewhere the same product is computed
+from the dequantized operands in fp32, so CPU tests check the arithmetic the GPU runs (up to the order of the fp32
+accumulation).
 
 Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compressor writes and vLLM reads:
 `<linear>.weight` in float8_e4m3fn, `<linear>.weight_scale` ([out, 1] per channel or [1] per tensor),
@@ -14,7 +14,6 @@ Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compr
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass
 
@@ -108,7 +107,7 @@ def scaled_mm_available(device: torch.device) -> bool:
 @functools.cache
 def gemv_kernel(device: torch.device):
     """backends/llm/fp8_gemv.fp8_gemv where it can run (Triton on an FP8-capable GPU), else None."""
-    if not scaled_mm_available(device) or os.environ.get("MM_FP8_GEMV", "1") == "0":
+    if not scaled_mm_available(device):
         return None
     try:
         from backends.llm.fp8_gemv import fp8_gemv

@@ -7,7 +7,16 @@ import json
 import pytest
 import torch
 
-from backends.llm.fp8 import FP8, FP8_MAX, GEMV_MAX_ROWS, Fp8Linear, Fp8Scheme, quantize, quantize_weight, token_scales
+from backends.llm.fp8 import (
+    FP8,
+    FP8_MAX,
+    GEMV_MAX_ROWS,
+    Fp8Linear,
+    Fp8Scheme,
+    quantize,
+    quantize_weight,
+    token_scales,
+)
 from backends.llm.model import checkpoint_tensors, load_model
 from backends.llm.scoring import sequence_logits
 from build_engines.checkpoints import tiny_checkpoint

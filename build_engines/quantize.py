@@ -73,15 +73,21 @@ def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(
     if (scheme.activations == "tensor") != (input_scales is not None):
         raise ValueError("static activation scales come from calibration: give input_scales exactly when the "
                          "scheme's activations are 'tensor'")
-    out.mkdir(parents=True, exist_ok=True)
+    write_fp8_metadata(source, out, scheme)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
+    tensors = dict(quantized_tensors(checkpoint_tensors(source), scheme, input_scales))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_fp8_metadata(source: Path, out: Path, scheme: Fp8Scheme) -> None:
+    """Everything of an FP8 checkpoint but its weights: `source`'s tokenizer, chat template and generation config,
+    and its config.json with the quantization_config added."""
+    out.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
         if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json",
                                                                                  "model.safetensors.index.json"):
             shutil.copy2(file, out / file.name)
-    tensors = dict(quantized_tensors(checkpoint_tensors(source), scheme, input_scales))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = scheme.to_config()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

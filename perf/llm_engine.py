@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import socket
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from backends.llm.fp8 import Fp8Scheme
 from backends.llm.model import checkpoint_tensors
 from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import byte_level_tokenizer, tiny_checkpoint
-from build_engines.quantize import quantized_tensors
+from build_engines.quantize import quantized_tensors, write_fp8_metadata
 from perf.report import hardware_line, write_table
 
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -144,18 +143,6 @@ def load_reference(args, device: torch.device, dtype: torch.dtype):
     return checkpoint, model, None
 
 
-def fp8_checkpoint(checkpoint: Path) -> Path:
-    """A folder with `checkpoint`'s config (plus the FP8 quantization_config) and tokenizer, for weights passed in."""
-    folder = Path(tempfile.mkdtemp(prefix="llm-fp8-"))
-    for file in Path(checkpoint).iterdir():
-        if file.is_file() and file.suffix != ".safetensors":
-            shutil.copy2(file, folder / file.name)
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = Fp8Scheme().to_config()
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 def compare_fp8(args, device: torch.device, bandwidth: float) -> tuple[list[list[str]], list[str]]:
     """bf16 and FP8 engines on the same weights, one after the other: table rows and notes."""
     checkpoint, reference, weights = load_reference(args, device, torch.bfloat16)
@@ -171,7 +158,9 @@ def compare_fp8(args, device: torch.device, bandwidth: float) -> tuple[list[list
         if precision == "bf16":
             engine = LLMEngine(checkpoint, config, weights)
         else:  # quantized on the device as the engine loads them (part of its ready time)
-            engine = LLMEngine(fp8_checkpoint(checkpoint), config, quantized_tensors(weights))
+            folder = Path(tempfile.mkdtemp(prefix="llm-fp8-"))
+            write_fp8_metadata(Path(checkpoint), folder, Fp8Scheme())
+            engine = LLMEngine(folder, config, quantized_tensors(weights))
         sync(device)
         ready_s = time.perf_counter() - start
         vocab = engine.model.args.vocab_size

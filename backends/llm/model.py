@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels | None = None, fp8: Fp8Scheme | None = None):
         super().__init__()
-        self.args, self.fp8 = args, fp8
+        self.args = args
         kernels = kernels or Kernels()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8) for _ in range(args.num_hidden_layers))

@@ -51,7 +51,9 @@ class BuildOptions:
     force: bool = False
     name: str | None = None  # the model's name when it is not the family's default (a second checkpoint)
     overrides: dict[str, str] = field(default_factory=dict)  # backend parameters set on the command line
-    calibration: Path | None = None  # fp8: text file, one prompt per line, for static activation scales
+    calibration: Path | None = None  # fp8: text file, one prompt per line, for the static scales below
+    fp8_activations: str = "token"  # fp8: "token" (dynamic) or "tensor" (static, calibrated)
+    kv_cache_dtype: str = "auto"  # fp8: "fp8" stores the KV cache in E4M3 (calibrated scales)
 
     def model_name(self, default: str) -> str:
         return self.name or default

@@ -40,9 +40,10 @@ def build_llm(opts: BuildOptions) -> None:
     version_dir = opts.repository / name / "1"
     if fp8:
         scales = calibration_scales(opts.checkpoint, opts.calibration) if opts.calibration else None
-        scheme = Fp8Scheme("channel", "token" if scales is None else "tensor")
+        scheme = Fp8Scheme("channel", opts.fp8_activations, kv_cache=opts.kv_cache_dtype == "fp8")
         with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights, "
-                           f"{'per-token' if scales is None else 'calibrated static'} activations)"):
+                           f"{'per-token' if scheme.activations == 'token' else 'calibrated static'} activations"
+                           f"{', FP8 KV cache' if scheme.kv_cache else ''})"):
             write_fp8_checkpoint(opts.checkpoint, version_dir, scheme, scales)
     else:
         place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
@@ -53,7 +54,7 @@ def build_llm(opts: BuildOptions) -> None:
 
 
 def calibration_scales(checkpoint: Path, prompts_file: Path) -> dict[str, float]:
-    """Static input scales from the prompts of a text file (one per line), as the checkpoint's tokenizer reads them."""
+    """Static scales from the prompts of a text file (one per line), as the checkpoint's tokenizer reads them."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

@@ -23,8 +23,9 @@ FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "s
 
 
 def calibrate(source: Path, prompts: list[list[int]]) -> dict[str, float]:
-    """Static input scales: the largest input magnitude each projection sees over `prompts` (token ids), / 448,
-    keyed by the checkpoint's layer names (q/k/v share one input, as do gate/up)."""
+    """Static scales from running `prompts` (token ids) through the float model: each projection's largest input
+    magnitude / 448, keyed by the checkpoint's layer names (q/k/v share one input, as do gate/up), and each layer's
+    largest key and value / 448 for an FP8 KV cache (`model.layers.N.self_attn.k_scale`, `.v_scale`)."""
     import torch
 
     from backends.llm.fp8 import FP8_MAX
@@ -33,50 +34,63 @@ def calibrate(source: Path, prompts: list[list[int]]) -> dict[str, float]:
 
     model = load_model(source, torch.float32, "cpu")
     amax: dict[str, float] = {}
+
+    def track(key: str, *values: torch.Tensor) -> None:
+        amax[key] = max(amax.get(key, 0.0), *(v.abs().max().item() for v in values))
+
     for i, layer in enumerate(model.layers):
         for fused in FUSED_PARTS:
-            module = layer.get_submodule(fused)
-            key = f"{i}.{fused}"
-            module.register_forward_pre_hook(lambda _, args, key=key: amax.__setitem__(
-                key, max(amax.get(key, 0.0), args[0].abs().max().item())))
+            layer.get_submodule(fused).register_forward_pre_hook(
+                lambda _, args, key=f"{i}.{fused}": track(key, args[0]))
+        # after attention ran, the cache (zeroed per sequence by sequence_logits) holds this layer's keys and values
+        layer.self_attn.register_forward_hook(lambda _, args, __, i=i: track(f"{i}.k", args[3][0]) or
+                                              track(f"{i}.v", args[3][1]))
     for ids in prompts:
         sequence_logits(model, ids)
-    return {f"model.layers.{key.split('.', 1)[0]}.{part}": value / FP8_MAX for key, value in amax.items()
-            for part in FUSED_PARTS[key.split(".", 1)[1]]}
+    scales = {}
+    for key, value in amax.items():
+        index, part = key.split(".", 1)
+        names = [f"self_attn.{part}_scale"] if part in ("k", "v") else FUSED_PARTS[part]
+        scales.update({f"model.layers.{index}.{name}": value / FP8_MAX for name in names})
+    return scales
 
 
 def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme = Fp8Scheme(),
-                      input_scales: dict[str, float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      scales: dict[str, float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's (name, tensor) pairs with every decoder projection's weight in E4M3 plus its scales (on the
-    tensors' own device: the GPU benchmark quantizes its random weights there)."""
+    tensors' own device: the GPU benchmark quantizes its random weights there), and the calibrated `scales` the
+    scheme uses (static input scales, KV cache scales)."""
     import torch
 
+    static = lambda name: torch.tensor([scales[name]], dtype=torch.float32)  # noqa: E731
     for name, tensor in tensors:
         if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
             layer = name.removesuffix(".weight")
             weight, scale = quantize_weight(tensor.detach(), scheme.weights)
             yield name, weight
             yield layer + ".weight_scale", scale
-            if input_scales is not None:
-                yield layer + ".input_scale", torch.tensor([input_scales[layer]], dtype=torch.float32)
+            if scheme.activations == "tensor":
+                yield layer + ".input_scale", static(layer)
         else:
             yield name, tensor.contiguous()
+    if scheme.kv_cache:
+        yield from ((name, static(name)) for name in scales if name.endswith(("k_scale", "v_scale")))
 
 
 def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(),
-                         input_scales: dict[str, float] | None = None) -> None:
+                         scales: dict[str, float] | None = None) -> None:
     """`out` gets the quantized safetensors, config.json with the quantization_config, and every other file of
-    `source` (tokenizer, chat template, generation config). Static activations (scheme.activations "tensor") take
-    their scales from `input_scales` (see `calibrate`)."""
+    `source` (tokenizer, chat template, generation config). Static activations (scheme.activations "tensor") and an
+    FP8 KV cache take their scales from `scales` (see `calibrate`)."""
     from safetensors.torch import save_file
 
-    if (scheme.activations == "tensor") != (input_scales is not None):
-        raise ValueError("static activation scales come from calibration: give input_scales exactly when the "
-                         "scheme's activations are 'tensor'")
+    if (scheme.activations == "tensor" or scheme.kv_cache) != (scales is not None):
+        raise ValueError("static activation and KV cache scales come from calibration: give scales exactly when the "
+                         "scheme has static activations or an FP8 KV cache")
     write_fp8_metadata(source, out, scheme)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
-    tensors = dict(quantized_tensors(checkpoint_tensors(source), scheme, input_scales))
+    tensors = dict(quantized_tensors(checkpoint_tensors(source), scheme, scales))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 

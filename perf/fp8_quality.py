@@ -36,7 +36,9 @@ SCHEMES = {  # name -> (scheme, needs calibration)
     "per-tensor weights, dynamic per-token activations": Fp8Scheme("tensor", "token"),
     "per-channel weights, static per-tensor activations (calibrated)": Fp8Scheme("channel", "tensor"),
     "per-tensor weights, static per-tensor activations (calibrated)": Fp8Scheme("tensor", "tensor"),
+    "default + FP8 KV cache (calibrated per-layer scales)": Fp8Scheme("channel", "token", kv_cache=True),
 }
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def chat_prompts(tokenizer, count: int, skip: int = 0) -> list[str]:
@@ -66,6 +68,43 @@ def compare(reference: list[torch.Tensor], model, sequences: list[tuple[int, lis
     return kl.mean().item(), kl.quantile(0.99).item(), agree.mean().item()
 
 
+def row(result: tuple[float, float, float]) -> list[str]:
+    kl, kl99, agree = result
+    return [f"{kl:.4f}", f"{kl99:.4f}", f"{100 * agree:.1f}%"]
+
+
+def ablation(fp8_model, float_model, reference, evaluation) -> list[list[str]]:
+    """Rows for the FP8 model with one kind of projection taken from the float model (each kind's share of the
+    error), and with every projection computing from its dequantized FP8 weights and unquantized inputs (the FP8
+    weights' share)."""
+    from backends.llm.fp8 import Fp8Linear
+
+    def put(modules: dict[str, torch.nn.Module]) -> None:
+        for name, module in modules.items():
+            parent, child = name.rsplit(".", 1)
+            setattr(fp8_model.get_submodule(parent), child, module)
+
+    def dequantized(fp8: Fp8Linear) -> torch.nn.Linear:
+        linear = torch.nn.Linear(fp8.in_features, fp8.out_features, fp8.bias is not None, device=fp8.weight.device)
+        linear.weight.data = (fp8.weight.float() * fp8.weight_scale).to(float_model.embed_tokens.weight.dtype)
+        if fp8.bias is not None:
+            linear.bias.data = fp8.bias.data
+        return linear
+
+    fp8_layers = {name: m for name, m in fp8_model.named_modules() if isinstance(m, Fp8Linear)}
+    rows = []
+    for kind in PROJECTIONS:
+        put({name: float_model.get_submodule(name) for name in fp8_layers if name.endswith(kind)})
+        rows.append([f"diagnostic: default with every {kind} in float",
+                     *row(compare(reference, fp8_model, evaluation))])
+        put(fp8_layers)
+        print(rows[-1], flush=True)
+    put({name: dequantized(m) for name, m in fp8_layers.items()})
+    rows.append(["diagnostic: FP8 weights only (inputs unquantized)", *row(compare(reference, fp8_model,
+                                                                                   evaluation))])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=64)
@@ -74,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default="vm")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
+    parser.add_argument("--ablation", action="store_true", help="also the default scheme with each kind of "
+                        "projection in float, and with FP8 weights only (where the error comes from)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -95,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     scales = calibrate(checkpoint, calibration)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, scheme in SCHEMES.items():
-            out = Path(tmp) / name.split(",")[0].replace(" ", "-")
-            write_fp8_checkpoint(checkpoint, out, scheme, scales if scheme.activations == "tensor" else None)
-            kl, kl99, agree = compare(reference, load_model(out, DTYPES[dtype], device), evaluation)
-            rows.append([name, f"{kl:.4f}", f"{kl99:.4f}", f"{100 * agree:.1f}%"])
+        for i, (name, scheme) in enumerate(SCHEMES.items()):
+            out = Path(tmp) / f"scheme-{i}"
+            write_fp8_checkpoint(checkpoint, out, scheme,
+                                 scales if scheme.activations == "tensor" or scheme.kv_cache else None)
+            model = load_model(out, DTYPES[dtype], device)
+            rows.append([name, *row(compare(reference, model, evaluation))])
             print(rows[-1], flush=True)
-    rows.append(["FP8 KV cache", "-", "-", "-"])
+            if args.ablation and scheme == Fp8Scheme():  # the default's model with parts in float: where its error is
+                diagnostics = ablation(model, load_model(checkpoint, DTYPES[dtype], device), reference, evaluation)
+        rows += diagnostics if args.ablation else []
     positions = sum(len(ids) - start for start, ids in evaluation)
     how = "on the CPU (the FP8 products computed from the dequantized operands, the arithmetic torch._scaled_mm does " \
         "on Hopper)" if device == "cpu" else "on CUDA (torch._scaled_mm where the activations are bf16)"
@@ -110,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
              f"Evaluation: {args.prompts} chat prompts (its chat template) x {args.tokens} teacher-forced tokens of "
              f"the reference's greedy continuation = {positions} positions. Static scales: the largest input of each "
              f"projection over {args.calibration_prompts} other prompts with {args.tokens // 2}-token continuations.",
-             "FP8 KV cache: not built yet.",
-             f"Command: `python -m perf.fp8_quality --prompts {args.prompts} --tokens {args.tokens}`."]
+             "FP8 KV cache: keys and values in E4M3 with one scale per layer for each (the largest key / value over "
+             "the calibration set / 448), with the default scheme's linear layers.",
+             f"Command: `python -m perf.fp8_quality --prompts {args.prompts} --tokens {args.tokens}"
+             f"{' --ablation' if args.ablation else ''}`."]
     table = write_table(args.results / args.host, "fp8-quality", ["scheme", f"mean KL({dtype} || fp8)", "KL p99",
                                                                     "top-1 agreement"], rows,
                         hardware_line("n/a (in-process)"), notes)

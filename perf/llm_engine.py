@@ -8,9 +8,10 @@
 Output lengths are forced (min_tokens = max_tokens, transformers' min_new_tokens) so both produce the same tokens
 count. Weights: a local checkpoint, the tiny one, or a real-size random init (`--random-init llama-3-8b`).
 
-`--dtype fp8` compares instead the engine in bf16 with the engine on the same weights quantized to FP8 E4M3
-(per-channel weights, per-token activations; backends/llm/fp8.py), one after the other in the same run: decode
-tokens/s at batch 1, the concurrent run, and the time each engine takes to be ready.
+`--variants bf16:gather,bf16:paged,fp8:paged` compares instead engines on the same weights with each other, one after
+the other in the same run: bf16 or quantized to FP8 E4M3 (per-channel weights, per-token activations;
+backends/llm/fp8.py), decode attention by the paged Triton kernel or gather + SDPA; decode tokens/s at batch 1, the
+concurrent run, the graph step, and the time each engine takes to be ready. `--dtype fp8` = bf16:paged,fp8:paged.
 """
 from __future__ import annotations
 
@@ -143,18 +144,21 @@ def load_reference(args, device: torch.device, dtype: torch.dtype):
     return checkpoint, model, None
 
 
-def compare_fp8(args, device: torch.device, bandwidth: float) -> tuple[list[list[str]], list[str]]:
-    """bf16 and FP8 engines on the same weights, one after the other: table rows and notes."""
+def compare_engines(args, device: torch.device, bandwidth: float, variants: list[tuple[str, str]]
+                    ) -> tuple[list[str], list[list[str]], list[str]]:
+    """Engines on the same weights, one after the other, each a (precision bf16/fp8, decode attention paged/gather)
+    variant: table columns, rows (each variant, then its ratio to the first) and notes."""
     checkpoint, reference, weights = load_reference(args, device, torch.bfloat16)
     weights = weights or list(checkpoint_tensors(checkpoint))
     del reference  # `weights` keeps the tensors
-    found: dict[str, dict[str, float]] = {}
+    found: list[dict[str, float]] = []
     notes = []
-    for precision in ("bf16", "fp8"):
+    for precision, attention in variants:
+        label = f"{precision} {attention}"
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
-                              compile_kernels=args.compile_kernels)
+                              compile_kernels=args.compile_kernels, decode_attention=attention)
         if precision == "bf16":
             engine = LLMEngine(checkpoint, config, weights)
         else:  # quantized on the device as the engine loads them (part of its ready time)
@@ -165,38 +169,41 @@ def compare_fp8(args, device: torch.device, bandwidth: float) -> tuple[list[list
         ready_s = time.perf_counter() - start
         vocab = engine.model.args.vocab_size
         engine_concurrent(engine, prompts(4, 16, vocab, seed=3), 4)  # warm-up (compiles kernels)
-        print(f"{precision}: ready in {ready_s:.1f}s; batch 1 ...", flush=True)
+        print(f"{label}: ready in {ready_s:.1f}s; batch 1 ...", flush=True)
         batch1 = engine_batch1(engine, prompts(1, args.input_tokens, vocab, seed=1)[0], args.batch1_tokens)
         engine.stats = EngineStats()
         concurrent = engine_concurrent(engine, prompts(args.concurrency, args.input_tokens, vocab, seed=2),
                                        args.output_tokens)
         roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
-        found[precision] = dict(batch1=batch1, concurrent=concurrent, ready=ready_s, roofline=roofline,
-                                replay=graph_replay_ms(engine) or float("nan"))
-        print(f"{precision}: batch 1 {batch1:.1f} tokens/s ({100 * batch1 / roofline:.0f}% of roofline "
+        found.append(dict(batch1=batch1, concurrent=concurrent, ready=ready_s, roofline=roofline,
+                          replay=graph_replay_ms(engine) or float("nan")))
+        print(f"{label}: batch 1 {batch1:.1f} tokens/s ({100 * batch1 / roofline:.0f}% of roofline "
               f"{roofline:.1f}), {args.concurrency} concurrent {concurrent:.1f} tokens/s", flush=True)
-        notes.append(f"{precision} engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks;"
+        notes.append(f"{label} engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks;"
                      f" {len(engine.runner.graphs)} decode graphs captured at start.")
         del engine
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    bf16, fp8 = found["bf16"], found["fp8"]
-    rows = [["decode tokens/s, batch 1", f"{bf16['batch1']:.1f}", f"{fp8['batch1']:.1f}",
-             f"{fp8['batch1'] / bf16['batch1']:.2f}",
-             f"roofline bf16 {bf16['roofline']:.1f} ({100 * bf16['batch1'] / bf16['roofline']:.0f}%), fp8 "
-             f"{fp8['roofline']:.1f} ({100 * fp8['batch1'] / fp8['roofline']:.0f}%)"],
-            [f"output tokens/s, {args.concurrency} x {args.input_tokens} in / {args.output_tokens} out",
-             f"{bf16['concurrent']:.1f}", f"{fp8['concurrent']:.1f}", f"{fp8['concurrent'] / bf16['concurrent']:.2f}",
-             "all requests added at once"],
-            ["batch-1 decode step replayed from its CUDA graph, ms", f"{bf16['replay']:.2f}", f"{fp8['replay']:.2f}",
-             f"{fp8['replay'] / bf16['replay']:.2f}", "the GPU's share of a step"],
-            ["engine ready, s", f"{bf16['ready']:.1f}", f"{fp8['ready']:.1f}", f"{fp8['ready'] / bf16['ready']:.2f}",
-             "load (FP8: quantizing on the device included) + KV cache + graph capture"]]
-    notes.append("FP8: E4M3 weights with per-channel scales, activations quantized per token; linear layers of one "
+    labels = [f"{p} {a}" for p, a in variants]
+    columns = ["measure", *labels, *(f"{label} / {labels[0]}" for label in labels[1:])]
+
+    def row(measure: str, key: str, fmt: str) -> list[str]:
+        return [measure, *(format(f[key], fmt) for f in found),
+                *(f"{f[key] / found[0][key]:.2f}" for f in found[1:])]
+
+    rows = [row("decode tokens/s, batch 1", "batch1", ".1f"),
+            row("batch-1 roofline tokens/s (bandwidth / bytes a step reads)", "roofline", ".1f"),
+            row(f"output tokens/s, {args.concurrency} x {args.input_tokens} in / {args.output_tokens} out "
+                "(all added at once)", "concurrent", ".1f"),
+            row("batch-1 decode step replayed from its CUDA graph, ms", "replay", ".2f"),
+            row("engine ready, s (load, FP8 quantizing on the device, KV cache, graph capture)", "ready", ".1f")]
+    notes.append("fp8: E4M3 weights with per-channel scales, activations quantized per token; linear layers of one "
                  "token run the Triton kernel of backends/llm/fp8_gemv.py, larger ones torch._scaled_mm after one "
-                 "compiled quantization kernel; embedding, norms, attention and the LM head in bf16.")
-    return rows, notes
+                 "compiled quantization kernel; embedding, norms, attention and the LM head in bf16. paged: decode "
+                 "attention by the Triton kernel of backends/llm/paged_decode.py (KV blocks read in place); gather: "
+                 "each sequence's blocks copied out, then SDPA.")
+    return columns, rows, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--random-init", choices=["llama-3-8b"])
     parser.add_argument("--dtype", choices=[*sorted(DTYPES), "fp8"], default="fp32",
                         help="fp8: the bf16 engine against the FP8 one instead of against transformers")
+    parser.add_argument("--variants", help="engines against each other instead of against transformers: "
+                        "PRECISION:ATTENTION,... with bf16|fp8 and paged|gather (--dtype fp8 means "
+                        "bf16:paged,fp8:paged)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--input-tokens", type=int, default=128)
@@ -220,13 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
-    if args.dtype == "fp8":
-        rows, notes = compare_fp8(args, device, bandwidth)
+    if args.dtype == "fp8" or args.variants:
+        variants = [tuple(v.split(":")) for v in (args.variants or "bf16:paged,fp8:paged").split(",")]
+        if any(len(v) != 2 or v[0] not in ("bf16", "fp8") or v[1] not in ("paged", "gather") for v in variants):
+            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION with bf16|fp8 and paged|gather")
+        columns, rows, notes = compare_engines(args, device, bandwidth, variants)
         model = "random init llama-3-8b shapes" if args.random_init else args.checkpoint or "the tiny checkpoint"
         notes.insert(0, f"Model: {model}. Device copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s.")
         hardware = hardware_line("n/a (in-process)")
-        path = write_table(args.results / args.host, args.scenario, ["measure", "bf16", "fp8", "fp8 / bf16", "note"],
-                           rows, hardware, notes)
+        path = write_table(args.results / args.host, args.scenario, columns, rows, hardware, notes)
         print(path.read_text())
         return 0
     dtype = DTYPES[args.dtype]

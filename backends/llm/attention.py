@@ -5,15 +5,26 @@ the blocks its block table lists, in order. Every step first writes the new toke
 then each query attends to its sequence's cached keys up to its own position: one code path for prefill (many
 queries per sequence, possibly after a cached prefix) and decode (one query per sequence).
 
-This is the portable implementation (gather the blocks, then PyTorch's scaled_dot_product_attention with a causal
-mask); it runs on CPU and GPU. A fused paged-attention kernel can replace `paged_attention` without touching callers.
+With an FP8 cache (per-layer key and value scales given), new keys and values are stored as E4M3 bytes; reading
+them back, the key scale is folded into the queries and the value scale into the output, so the gathered cache is
+only converted, never rescaled.
+
+Decode steps on a GPU run the Triton kernel of paged_decode.py, which reads the blocks in place, when the step's
+metadata carries it. Everything else runs the portable implementation (gather the blocks, then PyTorch's
+scaled_dot_product_attention with a causal mask), on CPU and GPU; it is also the kernel's reference in the tests.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from backends.llm.fp8 import FP8, quantize
+
+KVScales = tuple[torch.Tensor, torch.Tensor]  # (key scale, value scale) of an FP8 cache
 
 
 @dataclass
@@ -26,7 +37,15 @@ class AttentionMetadata:
     token_index: tuple[torch.Tensor, torch.Tensor] | None  # (seq, query) of each of the T tokens; None: decode
     max_context_len: int  # longest sequence in the cache after this step
     fresh_lengths: tuple[int, ...] | None = None  # prefill where no sequence had anything cached: their lengths
+    decode_kernel: Callable | None = None  # paged_decode.paged_decode_attention for decode steps (see decode_kernel)
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _lengths: torch.Tensor | None = field(default=None, repr=False)
+
+    def context_lengths(self) -> torch.Tensor:
+        """[B] int32: how many cached keys each decode query sees (its position + 1); once per step."""
+        if self._lengths is None:
+            self._lengths = (self.query_positions[:, 0] + 1).int()
+        return self._lengths
 
     def mask(self, length: int) -> torch.Tensor:
         """[B, 1, max_query, length]: which of the first `length` cached keys each query sees (causal, and in the
@@ -37,19 +56,46 @@ class AttentionMetadata:
         return self._mask
 
 
-def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+@functools.cache
+def decode_kernel(device: torch.device) -> Callable | None:
+    """The Triton paged decode kernel where it runs (a CUDA device with Triton), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from backends.llm.paged_decode import paged_decode_attention
+    except ImportError:
+        return None
+    return paged_decode_attention
+
+
+def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             scales: KVScales | None = None) -> None:
     k_cache, v_cache = kv
+    if scales is not None:
+        k, v = quantize(k, scales[0]).view(torch.uint8), quantize(v, scales[1]).view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
-def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    scales: KVScales | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+    if scales is None:
+        return _paged_attention(q, kv, meta)
+    return _paged_attention(q * scales[0].to(q.dtype), kv, meta) * scales[1].to(q.dtype)
+
+
+def _paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
     k_cache, v_cache = kv
+    if meta.token_index is None and meta.decode_kernel is not None:
+        return meta.decode_kernel(q.view(len(meta.block_tables), -1, q.shape[-1]), k_cache, v_cache,
+                                  meta.block_tables, meta.context_lengths()).view(q.shape)
     batch, max_query = meta.query_positions.shape
     blocks = meta.block_tables[:, :-(-meta.max_context_len // k_cache.shape[1])]
     keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
     values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    if keys.dtype == torch.uint8:  # FP8 cache: scales applied by the caller
+        keys, values = keys.view(FP8).to(q.dtype), values.view(FP8).to(q.dtype)
     gqa = keys.shape[1] != q.shape[1]
     if meta.fresh_lengths is not None:
         # prompts with nothing cached: each is plain causal attention over its own tokens, which SDPA runs as flash

@@ -48,6 +48,8 @@ class EngineConfig(Parameters):
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only)
     graph_max_context: int = bounded(4096, 1)  # longest context a graph covers; longer decode steps run eagerly
     compile_kernels: bool = True  # torch.compile the elementwise kernels (norms, rotary, SiLU): CUDA only
+    decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
+    # gather: copy each sequence's blocks, then SDPA (the reference; what runs on the CPU)
 
 
 class StepFailed(RuntimeError):
@@ -88,14 +90,16 @@ class LLMEngine:
                        is not None else [])
         self.eos_ids = tuple(sorted(eos))
         per_block = kv_bytes_per_block(args.num_hidden_layers, config.block_size, args.num_key_value_heads,
-                                       args.head_dim, self.dtype)
+                                       args.head_dim, self.model.kv_cache_dtype)
         num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block - 1  # one goes to the scratch block
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.kv_cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, config.block_size,
-                                          args.num_key_value_heads, args.head_dim, self.dtype, self.device)
+                                          args.num_key_value_heads, args.head_dim, self.model.kv_cache_dtype,
+                                          self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, config.max_batch,
                                   min(config.graph_max_context, self.max_model_len),
-                                  capture=config.cuda_graphs and self.device.type == "cuda")
+                                  capture=config.cuda_graphs and self.device.type == "cuda",
+                                  paged_decode=config.decode_attention == "paged")
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens)
         if self.runner.capture:
             before = torch.cuda.memory_reserved(self.device)
@@ -104,8 +108,9 @@ class LLMEngine:
             log.info("captured %d decode CUDA graphs (%.2f GiB more reserved)", count,
                      (torch.cuda.memory_reserved(self.device) - before) / 2**30)
         self.stats = EngineStats()
-        log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", args.model_type, config.dtype,
-                 self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20)
+        log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB, %s)", args.model_type, config.dtype,
+                 self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20,
+                 str(self.model.kv_cache_dtype).removeprefix("torch."))
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_mb:
@@ -127,7 +132,7 @@ class LLMEngine:
         the shapes, not on what the blocks hold)."""
         args, block = self.model.args, self.config.block_size
         cache = allocate_kv_cache(args.num_hidden_layers, 1, block, args.num_key_value_heads, args.head_dim,
-                                  self.dtype, self.device)
+                                  self.model.kv_cache_dtype, self.device)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
         batch = 1 << (self.config.max_batch - 1).bit_length()
         width = 1 << (-(-min(self.config.graph_max_context, self.max_model_len) // block) - 1).bit_length()

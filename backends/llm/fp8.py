@@ -9,7 +9,9 @@ accumulation).
 
 Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compressor writes and vLLM reads:
 `<linear>.weight` in float8_e4m3fn, `<linear>.weight_scale` ([out, 1] per channel or [1] per tensor),
-`<linear>.input_scale` for static activations, and a `quantization_config` in config.json.
+`<linear>.input_scale` for static activations, and a `quantization_config` in config.json. An FP8 KV cache (the
+config's `kv_cache_scheme`) takes one calibrated scale per layer for keys and one for values:
+`self_attn.k_scale`, `self_attn.v_scale`.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Fp8Scheme:
     weights: str = "channel"  # "channel" or "tensor"
     activations: str = "token"  # "token" (dynamic) or "tensor" (static, calibrated input_scale)
     ignore: tuple[str, ...] = ("lm_head",)
+    kv_cache: bool = False  # keys and values stored in E4M3 with a per-tensor scale per layer
 
     @classmethod
     def from_config(cls, quantization_config: dict | None) -> Fp8Scheme | None:
@@ -54,14 +57,20 @@ class Fp8Scheme:
         ignore = tuple(quantization_config.get("ignore", ()))
         if any("lm_head" not in pattern for pattern in ignore):
             raise ValueError(f"ignore {list(ignore)}: only the LM head may stay unquantized")
-        return cls(weights["strategy"], activations, ignore)
+        kv = quantization_config.get("kv_cache_scheme")
+        if kv and (kv.get("type"), kv.get("num_bits"), kv.get("strategy"), kv.get("dynamic", False)) != \
+                ("float", 8, "tensor", False):
+            raise ValueError(f"kv_cache_scheme {kv}: only 8-bit float with static per-tensor scales is supported")
+        return cls(weights["strategy"], activations, ignore, bool(kv))
 
     def quantizes(self, name: str) -> bool:
         """Whether the layer `name` ("" for a decoder projection, "lm_head") is FP8."""
         return not any(name and (p == name or (p.startswith("re:") and re.fullmatch(p[3:], name))) for p in self.ignore)
 
     def to_config(self) -> dict:
+        kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(self.ignore),
+                "kv_cache_scheme": kv if self.kv_cache else None,
                 "config_groups": {"group_0": {
                     "targets": ["Linear"],
                     "weights": {"num_bits": 8, "type": "float", "strategy": self.weights, "symmetric": True,

@@ -5,6 +5,7 @@ from collections import deque
 
 import torch
 
+from backends.llm.fp8 import FP8
 from backends.llm.sequence import Sequence
 
 
@@ -18,8 +19,10 @@ SCRATCH_BLOCK = 0  # never given to a sequence: padded rows of a fixed-shape (CU
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One allocation of `num_blocks` usable blocks plus the scratch block; each layer gets (keys, values) views of
-    shape [num_blocks + 1, block_size, kv_heads, head_dim]."""
-    cache = torch.zeros(num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    shape [num_blocks + 1, block_size, kv_heads, head_dim]. An FP8 cache is stored as uint8 (copying and indexing
+    kernels take bytes on every device) and read through `.view(FP8)`."""
+    storage = torch.uint8 if dtype == FP8 else dtype
+    cache = torch.zeros(num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim, dtype=storage, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
 

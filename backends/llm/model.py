@@ -119,14 +119,22 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = make_linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.attention_bias, kernels, fp8)
         self.o_proj = make_linear(self.q_size, args.hidden_size, False, kernels, fp8)
+        self.fp8_kv_cache = fp8 is not None and fp8.kv_cache
+        if self.fp8_kv_cache:  # the checkpoint's per-layer scales
+            self.k_scale = nn.Parameter(torch.ones(()), requires_grad=False)
+            self.v_scale = nn.Parameter(torch.ones(()), requires_grad=False)
+
+    @property
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.k_scale, self.v_scale) if self.fp8_kv_cache else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.kernels.rotate(q.view(-1, self.heads, self.head_dim), cos, sin)
         k = self.kernels.rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
-        write_kv(kv, k, v.view(-1, self.kv_heads, self.head_dim), meta.slot_mapping)
-        return self.o_proj(paged_attention(q, kv, meta).reshape(-1, self.q_size))
+        write_kv(kv, k, v.view(-1, self.kv_heads, self.head_dim), meta.slot_mapping, self.kv_scales)
+        return self.o_proj(paged_attention(q, kv, meta, self.kv_scales).reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -157,6 +165,7 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels | None = None, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.args = args
+        self.fp8_kv_cache = fp8 is not None and fp8.kv_cache
         kernels = kernels or Kernels()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8) for _ in range(args.num_hidden_layers))
@@ -188,6 +197,10 @@ class DecoderModel(nn.Module):
         for layer, kv in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return FP8 if self.fp8_kv_cache else self.embed_tokens.weight.dtype
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -249,7 +262,8 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
             name, shard = ".".join(parts), 0
             if name not in params:
                 continue  # e.g. rotary inv_freq buffers some checkpoints carry
-            params[name].data.copy_(tensor.reshape(params[name].shape) if name.endswith("input_scale") else tensor)
+            scalar = name.endswith(("input_scale", "k_scale", "v_scale"))
+            params[name].data.copy_(tensor.reshape(params[name].shape) if scalar else tensor)
         loaded.add((name, shard))
     if ("lm_head.weight", 0) not in loaded:  # tied embeddings
         model.lm_head.weight = model.embed_tokens.weight

@@ -12,7 +12,7 @@ import bisect
 
 import torch
 
-from backends.llm.attention import AttentionMetadata
+from backends.llm.attention import AttentionMetadata, decode_kernel
 from backends.llm.kv_cache import SCRATCH_BLOCK, BlockManager
 from backends.llm.model import DecoderModel
 from backends.llm.sequence import Sequence
@@ -25,9 +25,10 @@ def bucket(n: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: list, blocks: BlockManager, max_batch: int,
-                 max_context: int, capture: bool):
+                 max_context: int, capture: bool, paged_decode: bool = True):
         self.model, self.kv_cache, self.blocks = model, kv_cache, blocks
         self.device = model.embed_tokens.weight.device
+        self.decode_kernel = decode_kernel(self.device) if paged_decode else None  # None: gather + SDPA
         self.max_batch, self.max_blocks = bucket(max_batch), bucket(-(-max_context // blocks.block_size))
         self.capture = capture
         # static decode inputs, sized for the largest bucket; graphs read them in place
@@ -115,7 +116,7 @@ class ModelRunner:
 
     def forward_static(self, batch: int, width: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slots[:batch], self.tables[:batch, :width], self.positions[:batch, None], None,
-                                 width * self.blocks.block_size)
+                                 width * self.blocks.block_size, decode_kernel=self.decode_kernel)
         return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta))
 
     def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -136,6 +137,6 @@ class ModelRunner:
         positions = [s.num_tokens - 1 for s in seqs]
         meta = AttentionMetadata(self.tensor([self.blocks.slot(s, p) for s, p in zip(seqs, positions)]),
                                  self.block_tables(seqs), self.tensor([[p] for p in positions]), None,
-                                 max(s.num_tokens for s in seqs))
+                                 max(s.num_tokens for s in seqs), decode_kernel=self.decode_kernel)
         hidden = self.model(self.tensor([s.token_ids[-1] for s in seqs]), self.tensor(positions), self.kv_cache, meta)
         return self.model.logits(hidden)

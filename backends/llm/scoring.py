@@ -17,7 +17,7 @@ def sequence_logits(model: DecoderModel, ids: list[int] | torch.Tensor, block_si
     args, n = model.args, len(ids)
     blocks = -(-n // block_size)
     cache = allocate_kv_cache(args.num_hidden_layers, blocks, block_size, args.num_key_value_heads, args.head_dim,
-                              model.embed_tokens.weight.dtype, device)
+                              model.kv_cache_dtype, device)
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata(positions, torch.arange(blocks, device=device, dtype=torch.int32)[None], positions[None],
                              (torch.zeros(n, dtype=torch.int64, device=device), positions), n, (n,))

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -140,7 +141,7 @@ def test_gguf_and_pretrained_sources_are_checked(tmp_path, capsys):
 
 def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm_checkpoint):
     from backends.llm.engine import EngineConfig, LLMEngine
-    from backends.llm.fp8 import Fp8Linear
+    from backends.llm.fp8 import FP8, Fp8Linear
     from backends.llm.sampling import SamplingParams
 
     assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--repository",
@@ -151,9 +152,16 @@ def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm
     (seq,) = engine.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
     assert len(seq.output_ids) == 4
     (tmp_path / "prompts.txt").write_text("a photo of the cat\nred car on the grass\n")
-    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--calibration",
-                  str(tmp_path / "prompts.txt"), "--repository", str(tmp_path), "--name", "llm_static"]) == 0
+    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-activations", "tensor",
+                  "--kv-cache-dtype", "fp8", "--calibration", str(tmp_path / "prompts.txt"), "--repository",
+                  str(tmp_path), "--name", "llm_static"]) == 0
     static = LLMEngine(tmp_path / "llm_static" / "1", EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
     assert static.model.layers[0].mlp.down_proj.input_scale.item() > 0
+    assert static.model.kv_cache_dtype == FP8 and static.kv_cache[0][0].dtype == torch.uint8
+    assert static.model.layers[0].self_attn.k_scale.item() > 0
+    (seq,) = static.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
+    assert len(seq.output_ids) == 4
+    with pytest.raises(SystemExit):  # static scales need calibration prompts
+        build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--kv-cache-dtype", "fp8"])
     with pytest.raises(SystemExit):
         build(["vit", "--checkpoint", str(llm_checkpoint), "--precision", "fp8"])

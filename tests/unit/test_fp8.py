@@ -195,3 +195,84 @@ def test_static_scales_from_calibration_load_and_bound_the_inputs(tmp_path):
     assert torch.isfinite(sequence_logits(model, prompts[1])).all()
     with pytest.raises(ValueError, match="calibration"):
         write_fp8_checkpoint(source, tmp_path / "x", Fp8Scheme("channel", "tensor"))
+
+
+def test_fp8_kv_cache_stores_e4m3_at_the_calibrated_scales(tmp_path, monkeypatch):
+    """An FP8 KV cache checkpoint: the per-layer key/value scales are the largest key/value the calibration prompts
+    produce in the float model / 448, and the model's logits are those of the same model whose cache holds the keys
+    and values rounded to E4M3 at those scales (the attention arithmetic is otherwise unchanged)."""
+    import backends.llm.model as model_module
+    from build_engines.quantize import calibrate
+
+    source = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    prompts = [[5, 17, 3, 42, 8], [11, 9, 30, 2, 7, 12, 40]]
+    scheme = Fp8Scheme("channel", "token", kv_cache=True)
+    write_fp8_checkpoint(source, tmp_path / "kv", scheme, calibrate(source, prompts))
+    config = json.loads((tmp_path / "kv" / "config.json").read_text())
+    assert Fp8Scheme.from_config(config["quantization_config"]) == scheme
+    fp8_kv = load_model(tmp_path / "kv", torch.float32, "cpu")
+    assert fp8_kv.kv_cache_dtype == FP8
+    config["quantization_config"]["kv_cache_scheme"] = None  # the same FP8 weights over a float cache
+    (tmp_path / "float-kv").mkdir()
+    (tmp_path / "float-kv" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "float-kv" / "model.safetensors").symlink_to(tmp_path / "kv" / "model.safetensors")
+    float_kv = load_model(tmp_path / "float-kv", torch.float32, "cpu")
+    assert float_kv.kv_cache_dtype == torch.float32
+    layers, calls, largest = len(float_kv.layers), [0], torch.zeros(len(float_kv.layers), 2)
+    real_write_kv = model_module.write_kv
+
+    def observe(kv, k, v, slots, scales=None):  # the source model's keys and values, as its cache receives them
+        layer = calls[0] % layers
+        calls[0] += 1
+        largest[layer] = torch.maximum(largest[layer], torch.stack([k.abs().max(), v.abs().max()]))
+        real_write_kv(kv, k, v, slots, scales)
+
+    monkeypatch.setattr(model_module, "write_kv", observe)
+    for ids in prompts:
+        sequence_logits(load_model(source, torch.float32, "cpu"), ids)
+    attention = [layer.self_attn for layer in fp8_kv.layers]
+    found = torch.tensor([[a.k_scale.item(), a.v_scale.item()] for a in attention])
+    torch.testing.assert_close(found, largest / FP8_MAX)
+
+    def rounded(kv, k, v, slots, scales=None):  # E4M3 at the FP8 model's scales, stored back in float
+        a = attention[calls[0] % layers]
+        calls[0] += 1
+        real_write_kv(kv, quantize(k, a.k_scale).float() * a.k_scale, quantize(v, a.v_scale).float() * a.v_scale,
+                      slots)
+
+    monkeypatch.setattr(model_module, "write_kv", rounded)
+    calls[0] = 0
+    ids = [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3, 1, 19, 23, 8]  # two KV blocks
+    expected = sequence_logits(float_kv, ids)
+    monkeypatch.setattr(model_module, "write_kv", real_write_kv)
+    torch.testing.assert_close(sequence_logits(fp8_kv, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_an_fp8_kv_cache_holds_more_tokens_in_the_same_memory(tmp_path):
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+    from build_engines.quantize import calibrate
+
+    source = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    write_fp8_checkpoint(source, tmp_path, Fp8Scheme(kv_cache=True), calibrate(source, [[5, 17, 3, 42, 8]]))
+    config = EngineConfig(dtype="bf16", device="cpu", kv_cache_memory_mb=4)
+    fp8_kv, bf16_kv = LLMEngine(tmp_path, config), LLMEngine(source, config)
+    assert fp8_kv.kv_cache[0][0].dtype == torch.uint8
+    assert fp8_kv.blocks.num_blocks + 1 == 2 * (bf16_kv.blocks.num_blocks + 1)
+    (seq,) = fp8_kv.generate(["a photo of the cat"], SamplingParams(max_tokens=6, min_tokens=6))
+    assert len(seq.output_ids) == 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
+def test_fp8_kv_cache_decodes_the_same_from_cuda_graphs(tmp_path):
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+    from build_engines.quantize import calibrate
+
+    source = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    write_fp8_checkpoint(source, tmp_path, Fp8Scheme(kv_cache=True), calibrate(source, [[5, 17, 3, 42, 8]]))
+    prompts, params = ["a photo of the cat", "red car", "hello"], SamplingParams(max_tokens=24, min_tokens=24)
+    configs = [EngineConfig(dtype="bf16", device="cuda", cuda_graphs=graphs, kv_cache_memory_mb=64)
+               for graphs in (True, False)]
+    outputs = [[s.output_ids for s in LLMEngine(tmp_path, config).generate(prompts, params)] for config in configs]
+    assert outputs[0] == outputs[1]

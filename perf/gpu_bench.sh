@@ -11,7 +11,9 @@
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16;
 #   "sam": encoder and decoder requests/s vs concurrency of the served sam, ViT-H shapes, random bf16;
 #   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
-#   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8))
+#   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
+#   "attention": the paged decode kernel's tests, and the engine on Llama-3-8B shapes in bf16 and FP8 with decode
+#   attention by the paged kernel and by gather + SDPA, one run (perf.llm_engine --variants))
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -107,5 +109,10 @@ if [[ " ${SCENARIOS:-images} " == *" fp8 "* ]]; then
   "$py" -m perf.fp8_layers --results "$results" --host "${HOST:-gpu}"
   "$py" -m perf.llm_engine --random-init llama-3-8b --dtype fp8 --scenario llm-engine-fp8 --results "$results" \
     --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" attention "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py
+  "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:gather,bf16:paged,fp8:gather,fp8:paged \
+    --scenario llm-engine-attention --results "$results" --host "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -31,11 +31,13 @@ class ModelRunner:
         self.decode_kernel = decode_kernel(self.device) if paged_decode else None  # None: gather + SDPA
         self.max_batch, self.max_blocks = bucket(max_batch), bucket(-(-max_context // blocks.block_size))
         self.capture = capture
-        # static decode inputs, sized for the largest bucket; graphs read them in place
-        new = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
-        self.ids, self.positions, self.slots = new(self.max_batch), new(self.max_batch), new(self.max_batch)
-        self.tables = torch.full((self.max_batch, self.max_blocks), SCRATCH_BLOCK, dtype=torch.int32,
-                                 device=self.device)
+        # static decode inputs sized for the largest bucket, in one buffer (ids | positions | slots | block tables):
+        # a step fills its host mirror and sends it in one copy; graphs read the device views in place
+        b, size = self.max_batch, 3 * self.max_batch + self.max_batch * self.max_blocks
+        self.staged = torch.full((size,), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.ids, self.positions, self.slots = self.staged[:b], self.staged[b:2 * b], self.staged[2 * b:3 * b]
+        self.tables = self.staged[3 * b:].view(b, self.max_blocks)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -81,16 +83,20 @@ class ModelRunner:
         return self.decode_eager(seqs)
 
     def decode_padded(self, seqs: list[Sequence], batch: int, width: int) -> torch.Tensor:
-        n = len(seqs)
+        n, b = len(seqs), self.max_batch
         positions = [s.num_tokens - 1 for s in seqs]
-        pad = batch - n
-        scratch = SCRATCH_BLOCK * self.blocks.block_size
-        self.ids[:batch].copy_(self.tensor([s.token_ids[-1] for s in seqs] + [0] * pad))
-        self.positions[:batch].copy_(self.tensor(positions + [0] * pad))
-        self.slots[:batch].copy_(self.tensor([self.blocks.slot(s, p) for s, p in zip(seqs, positions)] + [scratch] * pad))
-        self.tables[:batch, :width].copy_(self.tensor(
-            [s.block_table + [SCRATCH_BLOCK] * (width - len(s.block_table)) for s in seqs]
-            + [[SCRATCH_BLOCK] * width] * pad, torch.int32))
+        host = self.host.numpy()  # padded rows: token 0 at position 0, written to and read from the scratch block
+        host[:3 * b] = 0
+        host[:n] = [s.token_ids[-1] for s in seqs]
+        host[b:b + n] = positions
+        host[2 * b:2 * b + n] = [self.blocks.slot(s, p) for s, p in zip(seqs, positions)]
+        host[2 * b + n:2 * b + batch] = SCRATCH_BLOCK * self.blocks.block_size
+        tables = host[3 * b:3 * b + batch * self.max_blocks].reshape(batch, self.max_blocks)
+        tables[:, :width] = SCRATCH_BLOCK
+        for row, seq in zip(tables, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+        used = 3 * b + batch * self.max_blocks  # one host-to-device copy (asynchronous from pinned memory)
+        self.staged[:used].copy_(self.host[:used], non_blocking=True)
         if not self.capture:
             return self.forward_static(batch, width)[:n]
         if (batch, width) not in self.graphs:

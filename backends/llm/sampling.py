@@ -29,9 +29,10 @@ class SamplingParams:
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int | Exception]:
     """logits: [B, vocab] float32 for the last position of each sequence. A row whose sampling fails gets its
     exception instead of a token: it belongs to that sequence alone."""
-    for row, seq in enumerate(seqs):  # EOS is not a choice before min_tokens
-        if eos_ids and len(seq.output_ids) < seq.sampling.min_tokens:
-            logits[row, list(eos_ids)] = float("-inf")
+    early = [row for row, seq in enumerate(seqs) if len(seq.output_ids) < seq.sampling.min_tokens]
+    if eos_ids and early:  # EOS is not a choice before min_tokens (one indexing kernel for the batch)
+        logits[torch.tensor(early, device=logits.device)[:, None], torch.tensor(eos_ids, device=logits.device)] = \
+            float("-inf")
     tokens = logits.argmax(dim=-1)
     failed: dict[int, Exception] = {}
     sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]

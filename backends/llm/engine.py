@@ -11,6 +11,7 @@ it requests through that loop.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class EngineConfig(Parameters):
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only)
     graph_max_context: int = bounded(4096, 1)  # longest context a graph covers; longer decode steps run eagerly
     compile_kernels: bool = True  # torch.compile the elementwise kernels (norms, rotary, SiLU): CUDA only
+    prefix_caching: bool = True  # full KV blocks shared between requests with the same prefix (kv_cache.py)
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
     # gather: copy each sequence's blocks, then SDPA (the reference; what runs on the CPU)
 
@@ -92,7 +94,7 @@ class LLMEngine:
         per_block = kv_bytes_per_block(args.num_hidden_layers, config.block_size, args.num_key_value_heads,
                                        args.head_dim, self.model.kv_cache_dtype)
         num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block - 1  # one goes to the scratch block
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.kv_cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, config.block_size,
                                           args.num_key_value_heads, args.head_dim, self.model.kv_cache_dtype,
                                           self.device)
@@ -157,10 +159,12 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------------------
     def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0,
-            embeds: torch.Tensor | None = None, placeholder_id: int | None = None) -> Sequence:
+            embeds: torch.Tensor | None = None, placeholder_id: int | None = None, embeds_key: bytes | None = None
+            ) -> Sequence:
         """Queue a request; raises InvalidInput when it cannot fit the context or the KV cache.
         `embeds` [n, hidden] replace the embeddings of the n prompt tokens equal to `placeholder_id` (image features
-        at the image placeholders, as the prompt was expanded for them)."""
+        at the image placeholders, as the prompt was expanded for them); `embeds_key` names them for the prefix
+        cache (e.g. a digest of the image file; default: a digest of `embeds` itself)."""
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidInput("the prompt has no tokens")
@@ -175,7 +179,10 @@ class LLMEngine:
         if -(-total // self.blocks.block_size) > self.blocks.num_blocks:
             raise InvalidInput(f"prompt + max_tokens ({total} tokens) exceeds the whole KV cache "
                                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
-        seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions)
+        if embeds is not None and embeds_key is None and self.config.prefix_caching:
+            embeds_key = hashlib.blake2b(embeds.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
+        seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions,
+                       embeds_key=embeds_key or b"")
         self.scheduler.add(seq)
         return seq
 
@@ -220,6 +227,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.num_cached = seq.num_tokens
+        self.blocks.register(seq)  # its newly full blocks join the prefix cache (before it may finish)
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
         if token in self.eos_ids:  # the sampler never picks EOS before min_tokens

@@ -40,9 +40,8 @@ class Scheduler:
                 break
             if prefill and tokens + seq.num_tokens > self.max_prefill_tokens:
                 break
-            if not self.blocks.can_hold(seq, seq.num_tokens):
+            if not self.blocks.admit(seq):  # cached prefix blocks shared, the rest allocated
                 break
-            self.blocks.grow(seq, seq.num_tokens)
             prefill.append(seq)
             tokens += seq.num_tokens
         if prefill:

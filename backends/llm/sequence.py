@@ -37,6 +37,8 @@ class Sequence:
     generator: torch.Generator | None = None  # seeded per request, so sampling is reproducible in any batch
     embeds: torch.Tensor | None = None  # [n, hidden] input embeddings (image features) for the prompt positions:
     embed_positions: tuple[int, ...] = ()  # ... kept for recomputation after a preemption
+    embeds_key: bytes = b""  # identifies the image behind `embeds` in prefix-cache keys
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks so far
     text: str = ""  # detokenised output so far (stop strings already cut)
     emitted: int = 0  # characters of `text` already handed to the caller
     _decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenisation window (prefix, read)

@@ -59,6 +59,7 @@ class EngineInput:
     prompt: str | list[int]
     embeds: torch.Tensor | None = None  # image features for the placeholder tokens (vlm)
     placeholder_id: int | None = None
+    embeds_key: bytes | None = None  # names the image in prefix-cache keys (a digest of its file)
 
 
 @dataclass
@@ -181,7 +182,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 if isinstance(item, Exception):
                     raise item
                 seq = self.engine.add(item.prompt, pending.ask.sampling, pending.request.request_id(),
-                                      embeds=item.embeds, placeholder_id=item.placeholder_id)
+                                      embeds=item.embeds, placeholder_id=item.placeholder_id,
+                                      embeds_key=item.embeds_key)
             except Exception as e:
                 self._fail(pending.sender, e)
                 continue

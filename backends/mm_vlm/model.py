@@ -7,6 +7,10 @@ wait for it, so images of concurrent requests are prepared in parallel. The engi
 image is ready, runs the vision tower and projector over all tiles of the requests it admits together, and hands
 the embeddings to the LLM engine, which puts them at the placeholder positions during prefill.
 
+An image is known by a digest of its file. The visual features of the last `image_cache` images stay on the device,
+so the same image asked about again skips decoding, tiling and the vision tower; the digest also keys the engine's
+prefix cache, so its prompt blocks up to the question are not computed again either.
+
 Preprocessing runs on the CPU with Pillow (pixel-exact with transformers' processor) unless the model parameter
 `preprocess_on_device` is true: then decode (nvJPEG on CUDA) and resize run on the model's device
 (backends/media/device_images.py), which is what keeps a 4K photo's time to first token low on a GPU.
@@ -14,8 +18,11 @@ Preprocessing runs on the CPU with Pillow (pixel-exact with transformers' proces
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,8 +47,10 @@ class PreparedImage:
     """One request's image, ready for the vision tower, and its prompt expanded for it."""
 
     prompt_ids: list[int]
-    tiles: np.ndarray | torch.Tensor
-    plan: AnyResPlan
+    key: bytes  # digest of the image file
+    tiles: np.ndarray | torch.Tensor | None = None  # None: `features` came from the image cache
+    plan: AnyResPlan | None = None
+    features: torch.Tensor | None = None
 
 
 class TritonPythonModel(LLMBackend):
@@ -62,6 +71,8 @@ class TritonPythonModel(LLMBackend):
         log.info("images prepared %s", f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}"
                  if self.on_device else "on the CPU by Pillow, as transformers' processor")
         self.pool = ThreadPoolExecutor(params.prepare_threads, thread_name_prefix="vlm-image")
+        self.features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> visual features, LRU
+        self.features_lock = threading.Lock()  # read by the image threads, written by the engine loop
 
     def prepare(self, inputs: Inputs, pending: Pending) -> Future:
         prompt = pending.ask.prompt
@@ -77,12 +88,17 @@ class TritonPythonModel(LLMBackend):
     def tile(self, data: bytes, ids: list[int], fault: str | None) -> PreparedImage:
         """Decode and tile one image and expand its prompt; on a worker thread."""
         inject(fault, "prepare")
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        with self.features_lock:
+            features = self.features.get(key)
+        if features is not None:
+            return PreparedImage(expand_placeholder(ids, self.placeholder_id, len(features)), key, features=features)
         if self.on_device:
             pixels = device_images.decode_to_device(data, self.engine.device, self.nvjpeg)
             tiles, plan = device_images.anyres_tiles(self.tiler, pixels, self.preprocess)
         else:
             tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)
-        return PreparedImage(expand_placeholder(ids, self.placeholder_id, plan.num_image_tokens), tiles, plan)
+        return PreparedImage(expand_placeholder(ids, self.placeholder_id, plan.num_image_tokens), key, tiles, plan)
 
     def engine_inputs(self, batch: list[Pending]) -> list[EngineInput | Exception]:
         prepared: list[PreparedImage | Exception] = []
@@ -91,14 +107,24 @@ class TritonPythonModel(LLMBackend):
                 prepared.append(pending.prepared.result())
             except Exception as e:
                 prepared.append(e)
-        images = [p for p in prepared if isinstance(p, PreparedImage)]
+        images = [p for p in prepared if isinstance(p, PreparedImage) and p.features is None]
         for pending in batch:
             inject(pending.fault, "infer")
-        if images:  # one vision-tower call for the tiles of every image admitted together
+        if images:  # one vision-tower call for the tiles of every new image admitted together
             tiles = torch.cat([torch.as_tensor(p.tiles) for p in images])
-            embeds = iter(self.vision(tiles.to(self.engine.device, self.engine.dtype), [p.plan for p in images]))
-        return [p if isinstance(p, Exception) else EngineInput(p.prompt_ids, next(embeds), self.placeholder_id)
+            for image, features in zip(images, self.vision(tiles.to(self.engine.device, self.engine.dtype),
+                                                           [p.plan for p in images])):
+                image.features = features
+                self._remember(image.key, features)
+        return [p if isinstance(p, Exception) else EngineInput(p.prompt_ids, p.features, self.placeholder_id, p.key)
                 for p in prepared]
+
+    def _remember(self, key: bytes, features: torch.Tensor) -> None:
+        with self.features_lock:
+            self.features[key] = features
+            self.features.move_to_end(key)
+            while len(self.features) > self.params.image_cache:
+                self.features.popitem(last=False)
 
     def finalize(self) -> None:
         super().finalize()

@@ -59,6 +59,18 @@ def test_greedy_answers_equal_llava_next_for_concurrent_requests(server, referen
         assert timing.text == reference(image, prompt, 16), prompt
 
 
+def test_the_same_image_asked_again_reuses_its_features_and_prefix(server, reference):
+    from tests.integration.test_llm import metric
+
+    image, prompts = encode(random_image(500, 300, seed=7)), ["<image> a photo of the cat", "<image> the red car"]
+    hits = metric(server, "llm_prefix_cache_hit_tokens_total", "vlm")
+    (first,) = ask(server, [(image, prompts[0], 12)])
+    (second,) = ask(server, [(image, prompts[1], 12)])  # same image, another question: image blocks shared
+    assert first.error is None and second.error is None
+    assert [first.text, second.text] == [reference(image, p, 12) for p in prompts]
+    assert metric(server, "llm_prefix_cache_hit_tokens_total", "vlm") - hits >= 16  # at least a block of image tokens
+
+
 def test_prompt_without_placeholder_gets_the_image_first(server, reference):
     (timing,) = ask(server, [(IMAGES[0], "a photo of the cat", 12)])
     assert timing.error is None and timing.text == reference(IMAGES[0], "<image>\na photo of the cat", 12)

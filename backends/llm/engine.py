@@ -50,6 +50,8 @@ class EngineConfig(Parameters):
     graph_max_context: int = bounded(4096, 1)  # longest context a graph covers; longer decode steps run eagerly
     compile_kernels: bool = True  # torch.compile the elementwise kernels (norms, rotary, SiLU): CUDA only
     prefix_caching: bool = True  # full KV blocks shared between requests with the same prefix (kv_cache.py)
+    chunk_tokens: int | None = bounded(1024, 1)  # while sequences decode, a step computes at most this many tokens:
+    # theirs and chunks of new prompts (chunked prefill); unset: a new prompt prefills whole in a step of its own
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
     # gather: copy each sequence's blocks, then SDPA (the reference; what runs on the CPU)
 
@@ -102,7 +104,8 @@ class LLMEngine:
                                   min(config.graph_max_context, self.max_model_len),
                                   capture=config.cuda_graphs and self.device.type == "cuda",
                                   paged_decode=config.decode_attention == "paged")
-        self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
+                                   chunk_tokens=config.chunk_tokens)
         if self.runner.capture:
             before = torch.cuda.memory_reserved(self.device)
             with torch.inference_mode():
@@ -202,17 +205,24 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        # a sequence whose step ends before its last token (a prompt chunk) gets no token this step
+        done = [i for i, s in enumerate(seqs) if s.num_cached + s.step_tokens == s.num_tokens]
         try:
             logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
-            tokens = sample(logits, seqs, self.eos_ids)
+            tokens = sample(logits if len(done) == len(seqs) else logits[done], [seqs[i] for i in done],
+                            self.eos_ids)
         except Exception as e:
             raise StepFailed(seqs) from e
-        if is_prefill:
-            self.stats.prefill_steps += 1
-        else:
+        decoding = sum(s.step_tokens == 1 and s.num_cached > 0 for s in seqs) if is_prefill else len(seqs)
+        self.stats.prefill_steps += is_prefill
+        if decoding:
             self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(seqs)
-            self.stats.max_decode_batch = max(self.stats.max_decode_batch, len(seqs))
+            self.stats.decode_tokens += decoding
+            self.stats.max_decode_batch = max(self.stats.max_decode_batch, decoding)
+        for seq in (s for s in seqs if s.num_cached + s.step_tokens < s.num_tokens):
+            seq.num_cached += seq.step_tokens
+            self.blocks.register(seq)
+        seqs = [seqs[i] for i in done]
         for seq, token in zip(seqs, tokens):
             try:
                 if isinstance(token, Exception):

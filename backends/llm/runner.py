@@ -50,27 +50,30 @@ class ModelRunner:
         return self.tensor(rows, torch.int32)
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Every not-yet-cached token of each sequence; logits [B, vocab] of each sequence's last token."""
+        """The next `step_tokens` uncached tokens of each sequence (a prompt, a chunk of one, or a decoding
+        sequence's newest token); logits [B, vocab] of each sequence's last computed token."""
         ids, positions, slots, seq_index, query_index, last = [], [], [], [], [], []
-        max_query = max(s.num_tokens - s.num_cached for s in seqs)
+        max_query = max(s.step_tokens for s in seqs)
         query_positions, embed_index, embed_rows = [], [], []
         for b, seq in enumerate(seqs):
-            span = range(seq.num_cached, seq.num_tokens)
-            if seq.embeds is not None:  # image features replace their placeholders (positions ascend: a suffix)
+            end = seq.num_cached + seq.step_tokens
+            span = range(seq.num_cached, end)
+            if seq.embeds is not None:  # image features replace their placeholders (positions ascend)
                 first = bisect.bisect_left(seq.embed_positions, seq.num_cached)
-                embed_index += [len(ids) + p - seq.num_cached for p in seq.embed_positions[first:]]
-                embed_rows.append(seq.embeds[first:])
-            ids += seq.token_ids[seq.num_cached:]
+                stop = bisect.bisect_left(seq.embed_positions, end)
+                embed_index += [len(ids) + p - seq.num_cached for p in seq.embed_positions[first:stop]]
+                embed_rows.append(seq.embeds[first:stop])
+            ids += seq.token_ids[seq.num_cached:end]
             positions += span
             slots += [self.blocks.slot(seq, p) for p in span]
             seq_index += [b] * len(span)
             query_index += range(len(span))
             query_positions.append(list(span) + [0] * (max_query - len(span)))
             last.append(len(ids) - 1)
-        fresh = tuple(s.num_tokens for s in seqs) if all(s.num_cached == 0 for s in seqs) else None
+        fresh = tuple(s.step_tokens for s in seqs) if all(s.num_cached == 0 for s in seqs) else None
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),
-                                 max(s.num_tokens for s in seqs), fresh)
+                                 max(s.num_cached + s.step_tokens for s in seqs), fresh)
         embeds = (self.tensor(embed_index), torch.cat(embed_rows).to(self.device)) if embed_index else None
         hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds)
         return self.model.logits(hidden[self.tensor(last)])

@@ -19,8 +19,10 @@ def fcfs(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=fcfs):
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=fcfs,
+                 chunk_tokens: int | None = None):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
+        self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -33,36 +35,66 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """(sequences, is_prefill) for the next step; ([], False) when nothing can run."""
-        prefill, tokens = [], 0
-        for seq in sorted(self.waiting, key=self.policy):
-            if len(self.running) + len(prefill) >= self.max_batch:
+        """(sequences, is_prefill) for the next step; ([], False) when nothing can run. Each sequence's
+        `step_tokens` says how many of its uncached tokens the step computes (1 for a decoding sequence).
+
+        Without chunking, prompts prefill whole in steps of their own while the running sequences wait. With
+        `chunk_tokens`, a step that has sequences decoding also takes prompt chunks up to that budget: every
+        decoding sequence keeps its pace while long prompts (images) prefill."""
+        decoding = any(s.num_tokens - s.num_cached == 1 for s in self.running)
+        if self.chunk_tokens is None or not decoding:
+            if prefill := self._prefill(self.max_prefill_tokens, chunked=False):
+                return prefill, True
+            return self._decode(), False
+        decode = self._decode()
+        prefill = self._prefill(max(self.chunk_tokens - len(decode), self.blocks.block_size), chunked=True)
+        return decode + prefill, bool(prefill)
+
+    def _prefill(self, budget: int, chunked: bool) -> list[Sequence]:
+        """Sequences part-way through their prompt first, then waiting ones admitted in policy order (shared prefix
+        blocks and new ones), while the token budget lasts; a chunked step cuts the last prompt at the budget, an
+        unchunked one runs a longer prompt whole when it comes first."""
+        partial = [s for s in sorted(self.running, key=self.policy) if s.num_tokens - s.num_cached > 1]
+        chosen = []
+        for seq in [*partial, *sorted(self.waiting, key=self.policy)]:
+            if budget <= 0:
                 break
-            if prefill and tokens + seq.num_tokens > self.max_prefill_tokens:
-                break
-            if not self.blocks.admit(seq):  # cached prefix blocks shared, the rest allocated
-                break
-            prefill.append(seq)
-            tokens += seq.num_tokens
-        if prefill:
-            for seq in prefill:
+            if seq.status is Status.WAITING:
+                if len(self.running) >= self.max_batch:
+                    break
+                if not chunked and chosen and seq.num_tokens > budget:
+                    break
+                if not self.blocks.admit(seq):
+                    break
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
-            self.running += prefill
-            return prefill, True
+                self.running.append(seq)
+            remaining = seq.num_tokens - seq.num_cached
+            seq.step_tokens = min(remaining, budget) if chunked else remaining
+            budget -= seq.step_tokens
+            chosen.append(seq)
+        return chosen
+
+    def _decode(self) -> list[Sequence]:
+        """The running sequences that have all but their newest token cached, each given room for it; when the pool
+        runs dry, the sequences last in policy order are preempted."""
         self.running.sort(key=self.policy)
-        decode = []
+        decode, kept = [], []
         while self.running:
             seq = self.running.pop(0)
+            if seq.num_tokens - seq.num_cached > 1:  # still prefilling: holds its blocks already
+                kept.append(seq)
+                continue
             while not self.blocks.can_hold(seq, seq.num_tokens) and self.running:
                 self.preempt(self.running.pop())
             if not self.blocks.can_hold(seq, seq.num_tokens):
                 self.preempt(seq)
                 break
             self.blocks.grow(seq, seq.num_tokens)
+            seq.step_tokens = 1
             decode.append(seq)
-        self.running = decode
-        return list(decode), False  # a copy: finishing sequences leave `running` while the caller iterates
+        self.running = decode + kept + self.running
+        return list(decode)  # a copy: finishing sequences leave `running` while the caller iterates
 
     def preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)

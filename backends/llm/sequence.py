@@ -30,6 +30,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading tokens whose keys and values are in the cache
+    step_tokens: int = 0  # uncached tokens the scheduled step computes (a chunk of the prompt, or the newest token)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" (EOS or a stop string), "cancelled", "error"
     error: Exception | None = None  # why this sequence failed (finish_reason "error")

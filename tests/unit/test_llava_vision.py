@@ -39,10 +39,11 @@ def test_image_embeddings_equal_transformers(checkpoint):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tiling", ["pillow", "torch"])
+@pytest.mark.parametrize("tiling", ["pillow", "torch", "pillow-chunked"])
 def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tiling):
     """`torch` is the on-device preprocessing path (run on the CPU here): pixels within rounding of Pillow's, and
-    still the same greedy tokens as the reference."""
+    still the same greedy tokens as the reference. `chunked`: the image prompts arrive while another sequence
+    decodes, so they prefill in chunks of a few tokens (cut inside the image) beside it."""
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
 
     from backends.llm.engine import EngineConfig, LLMEngine
@@ -54,7 +55,10 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tili
     tiler = tiler_from_checkpoint(checkpoint)
     preprocess = ImagePreprocessor.from_dict(image_processor_config(checkpoint))
     vision = LlavaVision(checkpoint, tiler)
-    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, chunk_tokens=24))
+    if tiling.endswith("chunked"):
+        engine.add("red car", SamplingParams(max_tokens=200, min_tokens=200))
+        engine.step()  # it decodes from now on
     image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
     expected, seqs = [], []
     for i, (width, height) in enumerate(SIZES[:4]):  # run together: one batch of mixed images and prompts
@@ -63,7 +67,7 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tili
         with torch.inference_mode():
             out = reference.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs.input_ids.shape[1]:]
         expected.append([t for t in out.tolist() if t != processor.tokenizer.eos_token_id])
-        if tiling == "pillow":
+        if tiling.startswith("pillow"):
             tiles, plan = tiler.tiles(image, preprocess)
             tiles = torch.from_numpy(tiles)
         else:
@@ -76,6 +80,8 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tili
         engine.step()
     assert [s.output_ids for s in seqs] == expected and all(len(e) == 12 for e in expected)
     assert [s.output_ids for s in blind] != expected  # the image embeddings changed the answer
+    prompts = len(seqs + blind)  # whole, they prefill in a step or two; in chunks, over many more
+    assert (engine.stats.prefill_steps > prompts + 1) == tiling.endswith("chunked")
 
 
 def test_pruning_keeps_the_highest_norm_tokens_in_order_with_every_newline(checkpoint):

@@ -203,7 +203,7 @@ def test_a_failed_model_step_names_the_sequences_in_it(checkpoint, monkeypatch):
     untouched and finish."""
     from backends.llm.engine import StepFailed
 
-    engine = make_engine(checkpoint)
+    engine = make_engine(checkpoint, chunk_tokens=None)  # the second's prefill runs alone, not mixed with the first
     first = engine.add(PROMPTS[0], SamplingParams(max_tokens=8))
     engine.step()  # prefill of the first alone
     second = engine.add(PROMPTS[1], SamplingParams(max_tokens=8))
@@ -219,3 +219,35 @@ def test_a_failed_model_step_names_the_sequences_in_it(checkpoint, monkeypatch):
         engine.step()
     assert first.finish_reason in ("length", "stop") and second.finish_reason == "cancelled"
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_chunked_prefill_keeps_the_decoding_pace_and_the_tokens(checkpoint, reference):
+    engine = make_engine(checkpoint, chunk_tokens=8, block_size=4)
+    running = engine.add(PROMPTS[0], SamplingParams(max_tokens=40))
+    engine.step()  # its prefill, alone
+    long_prompt = " ".join(PROMPTS)
+    late = engine.add(long_prompt, SamplingParams(max_tokens=12))
+    steps = 0
+    while not late.output_ids:  # the long prompt prefills 7 tokens a step beside the running sequence
+        before = len(running.output_ids)
+        engine.step()
+        steps += 1
+        assert len(running.output_ids) == before + 1
+    assert steps >= len(late.prompt_ids) // 7
+    while engine.has_work:
+        engine.step()
+    assert running.output_ids == reference(PROMPTS[0], 40) and late.output_ids == reference(long_prompt, 12)
+
+
+def test_chunked_prefill_under_preemption_recomputes_to_the_same_tokens(checkpoint, reference):
+    engine = make_engine(checkpoint, block_size=4, kv_cache_blocks=14, chunk_tokens=6)
+    first = engine.add(PROMPTS[2], SamplingParams(max_tokens=16))
+    engine.step()
+    prompts = PROMPTS[:2] + PROMPTS[3:5] + PROMPTS[6:]
+    seqs = [engine.add(p, SamplingParams(max_tokens=16)) for p in prompts]
+    while engine.has_work:
+        engine.step()
+    assert engine.scheduler.preemptions > 0
+    for prompt, seq in zip([PROMPTS[2], *prompts], [first, *seqs]):
+        assert seq.output_ids == reference(prompt, 16), prompt
+    assert engine.blocks.num_free == 14

@@ -149,3 +149,15 @@ def test_whisper_bench_inputs_are_real_audio_with_their_token_budget(tmp_path):
         assert int.from_bytes(raw[:4], "little") == len(raw) - 4  # Triton's BYTES layout: length, then the file
         assert len(decode_audio(raw[4:])) == int(seconds * 16000)
         assert base64.b64decode(step["language"]["b64"])[4:] == b"en"
+
+
+def test_prefill_bench_compares_chunked_and_whole_prefill_and_prefix_caching(tmp_path):
+    from perf.llm_prefill import main
+
+    assert main(["--streams", "3", "--long-prompts", "2", "--long-tokens", "100", "--arrival-steps", "2",
+                 "--suffix-tokens", "8", "--chunk-tokens", "24", "--results", str(tmp_path), "--host", "t"]) == 0
+    chunked = (tmp_path / "t").glob("*-llm-chunked-prefill.csv")
+    rows = next(chunked).read_text().splitlines()
+    assert len(rows) == 3 and rows[1].startswith("chunked prefill (24 tokens a step),")
+    prefix = next((tmp_path / "t").glob("*-llm-prefix-cache.csv")).read_text().splitlines()
+    assert [r.split(",")[0] for r in prefix[1:]] == ["prefix caching on", "prefix caching off"]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from backends.core.errors import InvalidInput
+from backends.core.errors import InjectedFault, InvalidInput
 from backends.core.inputs import Inputs, check_request_parameters
 from backends.core.params import Parameters
 
@@ -26,13 +26,11 @@ log = logging.getLogger(__name__)
 P = TypeVar("P", bound=Parameters)
 
 # Fault injection for tests: with this variable set to 1 in the server's environment, a request parameter
-# `inject_fault` naming a stage ("read", "prepare", "infer") makes that request raise an unexpected error there.
+# `inject_fault` naming a stage ("read", "prepare", "infer"; "sample" in the LLM engine) makes that request raise an
+# unexpected error there.
 FAULTS_ENV = "MM_FAULT_INJECTION"
 FAULT_PARAMETER = "inject_fault"
 
-
-class InjectedFault(RuntimeError):
-    """Raised where a test asked for a fault (never in production: needs MM_FAULT_INJECTION=1)."""
 
 
 class TritonLogHandler(logging.Handler):

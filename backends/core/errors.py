@@ -14,3 +14,7 @@ class InvalidInput(ValueError):
 
 def is_client_error(message: str) -> bool:
     return message.startswith(INVALID_INPUT_PREFIX)
+
+
+class InjectedFault(RuntimeError):
+    """Raised where a test asked for a fault (never in production: needs MM_FAULT_INJECTION=1)."""

@@ -162,8 +162,8 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------------------
     def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0,
-            embeds: torch.Tensor | None = None, placeholder_id: int | None = None, embeds_key: bytes | None = None
-            ) -> Sequence:
+            embeds: torch.Tensor | None = None, placeholder_id: int | None = None, embeds_key: bytes | None = None,
+            fault: str | None = None) -> Sequence:
         """Queue a request; raises InvalidInput when it cannot fit the context or the KV cache.
         `embeds` [n, hidden] replace the embeddings of the n prompt tokens equal to `placeholder_id` (image features
         at the image placeholders, as the prompt was expanded for them); `embeds_key` names them for the prefix
@@ -185,7 +185,7 @@ class LLMEngine:
         if embeds is not None and embeds_key is None and self.config.prefix_caching:
             embeds_key = hashlib.blake2b(embeds.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
         seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions,
-                       embeds_key=embeds_key or b"")
+                       embeds_key=embeds_key or b"", fault=fault)
         self.scheduler.add(seq)
         return seq
 

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backends.core.errors import InjectedFault
+
 if TYPE_CHECKING:
     from backends.llm.sequence import Sequence
 
@@ -26,45 +28,56 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (its limit); dividing by it would overflow
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int | Exception]:
-    """logits: [B, vocab] float32 for the last position of each sequence. A row whose sampling fails gets its
-    exception instead of a token: it belongs to that sequence alone."""
+    """logits: [B, vocab] float32 for the last position of each sequence. The sampled rows are processed together
+    (temperature, top-k and top-p as per-row tensors over one sort); a seeded row draws from its own generator. A row
+    whose sampling fails (non-finite logits, an injected fault) gets its exception instead of a token: it belongs
+    to that sequence alone."""
     early = [row for row, seq in enumerate(seqs) if len(seq.output_ids) < seq.sampling.min_tokens]
     if eos_ids and early:  # EOS is not a choice before min_tokens (one indexing kernel for the batch)
         logits[torch.tensor(early, device=logits.device)[:, None], torch.tensor(eos_ids, device=logits.device)] = \
             float("-inf")
     tokens = logits.argmax(dim=-1)
-    failed: dict[int, Exception] = {}
-    sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
-    if sampled:
+    failed: dict[int, Exception] = {i: InjectedFault("fault injected at sample") for i, seq in enumerate(seqs)
+                                    if seq.fault == "sample"}
+    rows = [i for i, seq in enumerate(seqs) if i not in failed and not seq.sampling.greedy
+            and seq.sampling.temperature >= GREEDY_BELOW]
+    if rows:
+        drawn, finite = _sample_rows(logits[rows], [seqs[i] for i in rows])
         tokens = tokens.clone()
-        for i in sampled:
-            try:
-                tokens[i] = _sample_row(logits[i], seqs[i])
-            except Exception as e:
-                failed[i] = e
+        tokens[rows] = drawn
+        for i, ok in zip(rows, finite.tolist()):
+            if not ok:
+                failed[i] = RuntimeError("sampling failed: the model's probabilities are not finite")
     chosen: list[int | Exception] = tokens.tolist()  # one device sync for the whole batch
     for i, error in failed.items():
         chosen[i] = error
     return chosen
 
 
-def _sample_row(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    params = seq.sampling
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = logits.sort(descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    if seq.generator is None:
-        seq.generator = torch.Generator(device=logits.device)
-        if params.seed is not None:
-            seq.generator.manual_seed(params.seed)
-        else:
-            seq.generator.seed()
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=seq.generator)[0]
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token per row, whether the row's probabilities were finite) for rows [R, vocab] of sampled sequences."""
+    device, vocab = logits.device, logits.shape[-1]
+    params = [seq.sampling for seq in seqs]
+    column = lambda values, dtype: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]  # noqa
+    ordered, order = (logits / column([p.temperature for p in params], torch.float32)).sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)[None, :]
+    probs = ordered.softmax(-1)
+    drop = rank >= column([p.top_k or vocab for p in params], torch.int64)  # top-k
+    drop |= probs.cumsum(-1) - probs >= column([p.top_p for p in params], torch.float32)  # smallest prefix >= top_p
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)
+    finite = probs.isfinite().all(-1)
+    probs = torch.where(finite[:, None], probs, (rank == 0).float())  # a failed row draws something harmless
+    picks = torch.empty(len(seqs), 1, dtype=torch.int64, device=device)
+    unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    if unseeded:
+        picks[unseeded] = torch.multinomial(probs[unseeded], 1)
+    for i, seq in enumerate(seqs):  # a seeded request draws from its own generator, whatever its batch
+        if seq.sampling.seed is not None:
+            if seq.generator is None:
+                seq.generator = torch.Generator(device=device).manual_seed(seq.sampling.seed)
+            picks[i] = torch.multinomial(probs[i], 1, generator=seq.generator)
+    return order.gather(1, picks)[:, 0], finite

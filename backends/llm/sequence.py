@@ -40,6 +40,7 @@ class Sequence:
     embed_positions: tuple[int, ...] = ()  # ... kept for recomputation after a preemption
     embeds_key: bytes = b""  # identifies the image behind `embeds` in prefix-cache keys
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks so far
+    fault: str | None = None  # a test's injected fault stage ("sample": its sampling fails)
     text: str = ""  # detokenised output so far (stop strings already cut)
     emitted: int = 0  # characters of `text` already handed to the caller
     _decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenisation window (prefix, read)

@@ -183,7 +183,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                     raise item
                 seq = self.engine.add(item.prompt, pending.ask.sampling, pending.request.request_id(),
                                       embeds=item.embeds, placeholder_id=item.placeholder_id,
-                                      embeds_key=item.embeds_key)
+                                      embeds_key=item.embeds_key, fault=pending.fault)
             except Exception as e:
                 self._fail(pending.sender, e)
                 continue

@@ -173,25 +173,18 @@ def test_prefill_attention_paths_agree_with_plain_causal_attention():
     torch.testing.assert_close(masked, torch.cat(expected))
 
 
-def test_a_sequence_whose_sampling_fails_ends_alone(checkpoint, reference, monkeypatch):
+def test_a_sequence_whose_sampling_fails_ends_alone(checkpoint, reference):
     """A failure inside one sequence's sampling finishes that sequence with its error and frees its blocks; the
     greedy and sampled sequences beside it run to the end with the tokens they would have had alone."""
-    import backends.llm.sampling as sampling
+    from backends.core.errors import InjectedFault
 
-    real = sampling._sample_row
-
-    def flaky(logits, seq):
-        if seq.sampling.seed == 13:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, seq)
-    monkeypatch.setattr(sampling, "_sample_row", flaky)
     engine = make_engine(checkpoint)
     good = engine.add(PROMPTS[0], SamplingParams(max_tokens=12))
     sampled = engine.add(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.8, seed=1))
-    bad = engine.add(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.8, seed=13))
+    bad = engine.add(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.8, seed=13), fault="sample")
     while engine.has_work:
         engine.step()
-    assert bad.finish_reason == "error" and "inf, nan" in str(bad.error) and bad.output_ids == []
+    assert bad.finish_reason == "error" and isinstance(bad.error, InjectedFault) and bad.output_ids == []
     assert good.output_ids == reference(PROMPTS[0], 12) and good.error is None
     alone = make_engine(checkpoint).generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.8, seed=1))[0]
     assert sampled.output_ids == alone.output_ids
@@ -251,3 +244,31 @@ def test_chunked_prefill_under_preemption_recomputes_to_the_same_tokens(checkpoi
     for prompt, seq in zip([PROMPTS[2], *prompts], [first, *seqs]):
         assert seq.output_ids == reference(prompt, 16), prompt
     assert engine.blocks.num_free == 14
+
+
+def test_sampling_is_safe_for_any_accepted_temperature_and_fails_only_non_finite_rows():
+    from backends.llm.sampling import sample
+    from backends.llm.sequence import Sequence
+
+    logits = torch.randn(4, 50)
+    logits[2] = float("nan")  # a broken row
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=0.7, top_k=3, seed=5),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1e30, top_p=0.5)]
+    seqs = [Sequence([1], p) for p in params]
+    chosen = sample(logits.clone(), seqs, ())
+    assert chosen[0] == logits[0].argmax().item()  # vanishing temperature: greedy
+    assert chosen[1] in logits[1].topk(3).indices.tolist()
+    assert isinstance(chosen[2], RuntimeError) and "not finite" in str(chosen[2])
+    assert isinstance(chosen[3], int) and 0 <= chosen[3] < 50
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_it():
+    from backends.llm.sampling import sample
+    from backends.llm.sequence import Sequence
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = set()
+    for seed in range(200):
+        (token,) = sample(logits.clone(), [Sequence([1], SamplingParams(temperature=1.0, top_p=0.75, seed=seed))], ())
+        seen.add(token)
+    assert seen == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3: the two most likely tokens, never the others

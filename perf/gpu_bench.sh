@@ -13,8 +13,9 @@
 #   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
 #   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
 #   "attention": the paged decode kernel's tests, and the engine on Llama-3-8B shapes in bf16 and FP8 with decode
-#   attention by the paged kernel and by gather + SDPA, one run (perf.llm_engine --variants); chunked prefill and
-#   prefix caching on the same shapes (perf.llm_prefill))
+#   attention by the paged kernel and by gather + SDPA, one run (perf.llm_engine --variants);
+#   "prefill": the engine's tests on the GPU, then chunked prefill and prefix caching on Llama-3-8B shapes
+#   (perf.llm_prefill))
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -115,6 +116,10 @@ if [[ " ${SCENARIOS:-images} " == *" attention "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py
   "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:gather,bf16:paged,fp8:gather,fp8:paged \
     --scenario llm-engine-attention --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" prefill "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py tests/unit/test_prefix_cache.py \
+    tests/unit/test_llm_engine.py -k "not qwen2"
   "$py" -m perf.llm_prefill --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -16,6 +16,7 @@ scaled_dot_product_attention with a causal mask), on CPU and GPU; it is also the
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,8 +39,10 @@ class AttentionMetadata:
     max_context_len: int  # longest sequence in the cache after this step
     fresh_lengths: tuple[int, ...] | None = None  # prefill where no sequence had anything cached: their lengths
     decode_kernel: Callable | None = None  # paged_decode.paged_decode_attention for decode steps (see decode_kernel)
+    spans: tuple[tuple[int, int], ...] | None = None  # prefill: (new tokens, context length) of each sequence
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _lengths: torch.Tensor | None = field(default=None, repr=False)
+    _parts: dict = field(default_factory=dict, repr=False)  # per-step pieces every layer shares (see by_sequence)
 
     def context_lengths(self) -> torch.Tensor:
         """[B] int32: how many cached keys each decode query sees (its position + 1); once per step."""
@@ -90,6 +93,8 @@ def _paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], met
     if meta.token_index is None and meta.decode_kernel is not None:
         return meta.decode_kernel(q.view(len(meta.block_tables), -1, q.shape[-1]), k_cache, v_cache,
                                   meta.block_tables, meta.context_lengths()).view(q.shape)
+    if meta.token_index is not None and meta.fresh_lengths is None and meta.spans is not None:
+        return by_sequence(q, k_cache, v_cache, meta)
     batch, max_query = meta.query_positions.shape
     blocks = meta.block_tables[:, :-(-meta.max_context_len // k_cache.shape[1])]
     keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
@@ -118,3 +123,36 @@ def _paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], met
     out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=mask,
                                          enable_gqa=gqa).transpose(1, 2)
     return out[meta.token_index]
+
+
+def by_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
+    """A prefill after cached tokens (a prompt chunk, a cached prefix, or a step mixing prompt chunks with decoding
+    sequences) without padding every sequence to the longest: the one-token sequences together as a decode step,
+    each longer one over its own keys, causal from the bottom right (its queries are the last of its context)."""
+    parts = meta._parts
+    if not parts:  # the same for every layer of the step: made once
+        starts = [0, *itertools.accumulate(n for n, _ in meta.spans)]
+        singles = [i for i, (n, _) in enumerate(meta.spans) if n == 1]
+        if singles:
+            index = torch.tensor(singles).to(q.device, non_blocking=True)
+            parts["rows"] = torch.tensor([starts[i] for i in singles]).to(q.device, non_blocking=True)
+            parts["decode"] = AttentionMetadata(meta.slot_mapping, meta.block_tables[index],
+                                                meta.query_positions[index, :1], None,
+                                                max(meta.spans[i][1] for i in singles), decode_kernel=meta.decode_kernel)
+        parts["chunks"] = [(i, starts[i], n, length, torch.ones(n, length, dtype=torch.bool, device=q.device).tril(
+            diagonal=length - n)) for i, (n, length) in enumerate(meta.spans) if n > 1]
+    out = torch.empty_like(q)
+    if "rows" in parts:
+        out[parts["rows"]] = _paged_attention(q[parts["rows"]], (k_cache, v_cache), parts["decode"])
+    block_size = k_cache.shape[1]
+    for i, start, n, length, mask in parts["chunks"]:
+        blocks = meta.block_tables[i, :-(-length // block_size)]
+        keys, values = (cache[blocks].flatten(0, 1)[:length].transpose(0, 1) for cache in (k_cache, v_cache))
+        if keys.dtype == torch.uint8:  # FP8 cache: scales applied by the caller
+            keys, values = keys.view(FP8).to(q.dtype), values.view(FP8).to(q.dtype)
+        if keys.shape[0] != q.shape[1]:  # GQA: SDPA's efficient kernels take a mask only with equal head counts
+            keys, values = (t.repeat_interleave(q.shape[1] // t.shape[0], dim=0) for t in (keys, values))
+        out[start:start + n] = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys, values,
+                                                              attn_mask=mask).transpose(0, 1)
+    return out

@@ -73,7 +73,8 @@ class ModelRunner:
         fresh = tuple(s.step_tokens for s in seqs) if all(s.num_cached == 0 for s in seqs) else None
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),
-                                 max(s.num_cached + s.step_tokens for s in seqs), fresh)
+                                 max(s.num_cached + s.step_tokens for s in seqs), fresh, self.decode_kernel,
+                                 tuple((s.step_tokens, s.num_cached + s.step_tokens) for s in seqs))
         embeds = (self.tensor(embed_index), torch.cat(embed_rows).to(self.device)) if embed_index else None
         hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds)
         return self.model.logits(hidden[self.tensor(last)])

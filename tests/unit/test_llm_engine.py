@@ -173,6 +173,28 @@ def test_prefill_attention_paths_agree_with_plain_causal_attention():
     torch.testing.assert_close(masked, torch.cat(expected))
 
 
+def test_prefill_by_sequence_equals_the_padded_masked_path():
+    """A step mixing a prompt chunk after a cached prefix, a decoding sequence and a prompt from its start: each
+    sequence over its own keys (bottom-right causal) equals the padded, masked computation of all of them."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block = 6, 2, 16, 4
+    cache = (torch.randn(12, block, kv_heads, dim), torch.randn(12, block, kv_heads, dim))  # cached keys: random
+    tables = torch.tensor([[3, 7, 0], [1, 10, 5], [2, 0, 0]], dtype=torch.int32)
+    cached, new = (6, 8, 0), (3, 1, 4)
+    positions = [list(range(c, c + n)) for c, n in zip(cached, new)]
+    slots = torch.tensor([int(tables[b, p // block]) * block + p % block for b, ps in enumerate(positions)
+                          for p in ps])
+    q = torch.randn(sum(new), heads, dim)
+    write_kv(cache, torch.randn(sum(new), kv_heads, dim), torch.randn(sum(new), kv_heads, dim), slots)
+    seq = torch.tensor([b for b, n in enumerate(new) for _ in range(n)])
+    index = torch.tensor([i for n in new for i in range(n)])
+    padded = torch.tensor([ps + [0] * (max(new) - len(ps)) for ps in positions])
+    args = (slots, tables, padded, (seq, index), max(c + n for c, n in zip(cached, new)))
+    expected = paged_attention(q, cache, AttentionMetadata(*args))
+    spans = tuple((n, c + n) for c, n in zip(cached, new))
+    torch.testing.assert_close(paged_attention(q, cache, AttentionMetadata(*args, spans=spans)), expected)
+
+
 def test_a_sequence_whose_sampling_fails_ends_alone(checkpoint, reference):
     """A failure inside one sequence's sampling finishes that sequence with its error and frees its blocks; the
     greedy and sampled sequences beside it run to the end with the tokens they would have had alone."""

@@ -153,6 +153,7 @@ def by_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
             keys, values = keys.view(FP8).to(q.dtype), values.view(FP8).to(q.dtype)
         if keys.shape[0] != q.shape[1]:  # GQA: SDPA's efficient kernels take a mask only with equal head counts
             keys, values = (t.repeat_interleave(q.shape[1] // t.shape[0], dim=0) for t in (keys, values))
-        out[start:start + n] = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys, values,
-                                                              attn_mask=mask).transpose(0, 1)
+        # 4-D inputs: with 3-D ones SDPA falls back to its math path (fp32 scores, hundreds of us of host time)
+        out[start:start + n] = F.scaled_dot_product_attention(q[None, start:start + n].transpose(1, 2), keys[None],
+                                                              values[None], attn_mask=mask)[0].transpose(0, 1)
     return out

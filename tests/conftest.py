@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
-import numpy as np
-import pytest
-from PIL import Image
+import torch
 
-from backends.core.adapter import FAULTS_ENV
-from backends.server import TritonServer, free_port
-from build_engines.checkpoints import tiny_checkpoint
-from build_engines.cli import main as build_engines
+if not torch.cuda.is_available():  # Triton's interpreter runs the GPU kernels' tests; it must be on before anything
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # imports triton (its own library functions are kernels too)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from backends.core.adapter import FAULTS_ENV  # noqa: E402
+from backends.server import TritonServer, free_port  # noqa: E402
+from build_engines.checkpoints import tiny_checkpoint  # noqa: E402
+from build_engines.cli import main as build_engines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = ROOT / "model_repository"

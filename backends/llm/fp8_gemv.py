@@ -66,3 +66,40 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
                     bias if bias is not None else weight_scale, out, n, k,
                     STATIC=input_scale is not None, HAS_BIAS=bias is not None)
     return out
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, num_warps=w, num_stages=3)
+             for n, k, s, w in [(16, 512, 2, 4), (16, 512, 4, 4), (32, 256, 4, 4), (16, 1024, 4, 8), (32, 512, 2, 4),
+                                (16, 512, 8, 4), (64, 256, 4, 8)]],
+    key=["N", "K"], reset_to_zero=["acc_ptr"],
+)
+@triton.jit
+def _fp8_gemv_split_k(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, acc_ptr, N, K,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    first = tl.program_id(1) * span
+    k = tl.arange(0, BLOCK_K)
+    x_scale = tl.load(x_scale_ptr)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    for start in range(first, tl.minimum(first + span, K), BLOCK_K):
+        in_k = start + k < K
+        x = tl.load(x_ptr + start + k, mask=in_k, other=0.0).to(tl.float32)
+        xq = tl.clamp(x / x_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+        w = tl.load(w_rows + start + k[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1)
+    out = acc * x_scale * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
+    tl.atomic_add(acc_ptr + cols, out, mask=cols < N)
+
+
+def fp8_gemv_split_k(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     x_scale: torch.Tensor) -> torch.Tensor:
+    """Experiment (perf.fp8_layers): one row, its scale given, K split over several programs whose fp32 partial
+    sums are added atomically, then cast: more programs in flight on the narrow projections."""
+    n, k = weight.shape
+    acc = torch.zeros(1, n, dtype=torch.float32, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+    _fp8_gemv_split_k[grid](x.contiguous(), x_scale, weight, weight_scale, acc, n, k)
+    return acc.to(x.dtype)

@@ -1,20 +1,17 @@
 """The Triton paged decode kernel (backends/llm/paged_decode.py) against the gather + SDPA reference: ragged
-lengths, block boundaries, GQA ratios, shuffled block tables, padded rows. On the CPU Triton's interpreter runs it;
-on a GPU (perf/gpu_bench.sh) the compiled kernel, bf16 and an FP8 cache too."""
+lengths, block boundaries, GQA ratios, shuffled block tables, padded rows. On the CPU Triton's interpreter runs it
+(TRITON_INTERPRET, set by tests/conftest.py); on a GPU (perf/gpu_bench.sh) the compiled kernel, bf16 and an FP8
+cache too."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, i.e. at import
-paged_decode = pytest.importorskip("backends.llm.paged_decode")
+from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
+from backends.llm.fp8 import FP8
+from backends.llm.kv_cache import allocate_kv_cache
 
-from backends.llm.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
-from backends.llm.fp8 import FP8  # noqa: E402
-from backends.llm.kv_cache import allocate_kv_cache  # noqa: E402
+paged_decode = pytest.importorskip("backends.llm.paged_decode")  # interpreted on the CPU (tests/conftest.py)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own numpy use

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--arrival-steps", type=int, default=20)
     parser.add_argument("--suffix-tokens", type=int, default=32)
-    parser.add_argument("--chunk-tokens", type=int, default=EngineConfig().chunk_tokens)
+    parser.add_argument("--chunk-tokens", type=int, default=1024)
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())
     args = parser.parse_args(argv)

@@ -50,8 +50,9 @@ class EngineConfig(Parameters):
     graph_max_context: int = bounded(4096, 1)  # longest context a graph covers; longer decode steps run eagerly
     compile_kernels: bool = True  # torch.compile the elementwise kernels (norms, rotary, SiLU): CUDA only
     prefix_caching: bool = True  # full KV blocks shared between requests with the same prefix (kv_cache.py)
-    chunk_tokens: int | None = bounded(1024, 1)  # while sequences decode, a step computes at most this many tokens:
-    # theirs and chunks of new prompts (chunked prefill); unset: a new prompt prefills whole in a step of its own
+    chunk_tokens: int | None = bounded(None, 1)  # chunked prefill: while sequences decode, a step computes at most
+    # this many tokens, theirs and chunks of new prompts; unset (default until prefill steps run from CUDA graphs:
+    # measured no faster, README): a new prompt prefills whole in a step of its own
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
     # gather: copy each sequence's blocks, then SDPA (the reference; what runs on the CPU)
 

@@ -118,11 +118,12 @@ def test_engine_tokens_are_the_same_with_prefix_caching(checkpoint):
     assert cached.blocks.num_free == cached.blocks.num_blocks
 
 
-def test_prefix_caching_under_preemption_and_cancellation(checkpoint):
+def test_prefix_caching_under_chunked_prefill_preemption_and_cancellation(checkpoint):
     prompts = [SYSTEM + q for q in QUESTIONS]
     expected = run(LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", prefix_caching=False,
                                                       kv_cache_memory_mb=8)), prompts, tokens=20)
-    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", block_size=4, kv_cache_blocks=40))
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", block_size=4, kv_cache_blocks=40,
+                                                chunk_tokens=8))  # the crowd's prompts in chunks, beside decoders
     run(engine, prompts[:1], tokens=1)  # the shared prefix is cached before the crowd arrives
     found = run(engine, prompts, tokens=20, cancel_after=6)
     assert engine.scheduler.preemptions > 0 and engine.blocks.hit_tokens > 0

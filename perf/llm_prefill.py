@@ -79,6 +79,21 @@ def prefix_ttft(engine: LLMEngine, args, seed: int = 6) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def profile_warm_step(engine: LLMEngine, args) -> None:
+    """torch.profiler over the step of a prompt whose prefix is cached: the GPU's time against the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    (prompt,) = prompts(1, args.long_tokens, engine.model.args.vocab_size, seed=90)
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    engine.add(prompt[:-args.suffix_tokens] + prompts(1, args.suffix_tokens, engine.model.args.vocab_size, seed=91)[0],
+               SamplingParams(max_tokens=1))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine.step()
+        sync(engine.device)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.llm_prefill", description=__doc__)
     parser.add_argument("--random-init", choices=["llama-3-8b"])
@@ -90,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arrival-steps", type=int, default=20)
     parser.add_argument("--suffix-tokens", type=int, default=32)
     parser.add_argument("--chunk-tokens", type=int, default=1024)
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler's summary of one warm "
+                        "prefix step (GPU time against host time)")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())
     args = parser.parse_args(argv)
@@ -118,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.generate(prompts(2, 64, engine.model.args.vocab_size, seed=3), SamplingParams(max_tokens=4))
         prefix_ttft(engine, args, seed=60)  # untimed: first-use costs of both paths
         cold, warm = prefix_ttft(engine, args)
+        if caching and args.profile:
+            profile_warm_step(engine, args)
         print("prefix caching", caching, cold, warm, flush=True)
         prefix_rows.append([f"prefix caching {'on' if caching else 'off'}", f"{cold:.1f}", f"{warm:.1f}",
                             f"{warm / cold:.2f}"])

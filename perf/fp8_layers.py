@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_table(args.results / args.host, "fp8-layers",
                        ["layer", "N x K", "rows", "bf16 us", "fp8 scaled_mm us", "fp8 triton us",
                         "triton, scale given us", "triton split-K, scale given us", "bf16 GB/s",
-                        "fp8 GB/s (engine's faster path)", "bf16 / fp8"], rows, hardware_line("n/a (in-process)"), notes)
+                        "fp8 GB/s (engine's faster path)", "bf16 / fp8"], rows, hardware_line("n/a (in-process)"),
+                       notes)
     print(path.read_text())
     return 0
 

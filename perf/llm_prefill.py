@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         del engine
         gc.collect()
     model = "random init llama-3-8b shapes" if args.random_init else args.checkpoint or "the tiny checkpoint"
-    notes = [f"Model: {model}, {dtype}, in process on {device}. Interference: {args.streams} streams decoding (128-token "
-             f"prompts), then {args.long_prompts} prompts of {args.long_tokens} tokens, one every "
+    notes = [f"Model: {model}, {dtype}, in process on {device}. Interference: {args.streams} streams decoding "
+             f"(128-token prompts), then {args.long_prompts} prompts of {args.long_tokens} tokens, one every "
              f"{args.arrival_steps} steps; ITL = wall time of each step while the streams decode (prefix caching off).",
              f"Command: `{command}`."]
     hardware = hardware_line("n/a (in-process)")

@@ -92,3 +92,29 @@ def test_engine_decodes_the_same_with_the_kernel_in_its_cuda_graphs():
         dtype="fp32", device="cuda", decode_attention=kind, kv_cache_memory_mb=64)).generate(prompts, params)]
         for kind in ("paged", "gather")]
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the engine's GPU paths (perf/gpu_bench.sh runs this)")
+def test_engine_tokens_equal_with_prefix_caching_and_chunked_prefill_on_gpu():
+    """Cached prefixes (prefill by sequence after them) and mixed steps (prompt chunks beside decoding sequences,
+    the decoding ones through the paged kernel) give the tokens of the plain engine."""
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+    from build_engines.checkpoints import tiny_checkpoint
+    from tests.conftest import ROOT
+
+    checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    system = "the dog is on the grass and the person is in the tree with a blue car and a red car. "
+    prompts = [system + q for q in ("a photo of the cat", "red car", "x", "tree tree tree", "blue")]
+    params = SamplingParams(max_tokens=24, min_tokens=24)
+    config = dict(dtype="fp32", device="cuda", kv_cache_memory_mb=64, block_size=4)
+    plain = LLMEngine(checkpoint, EngineConfig(prefix_caching=False, **config))
+    expected = [plain.generate([p], params)[0].output_ids for p in prompts]
+    engine = LLMEngine(checkpoint, EngineConfig(chunk_tokens=8, **config))
+    first = engine.add(prompts[0], params)
+    engine.step()  # decoding from now on: the others prefill in chunks beside it, after its cached prefix
+    rest = [engine.add(p, params) for p in prompts[1:]]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in [first, *rest]] == expected
+    assert engine.blocks.hit_tokens > 0 and engine.stats.prefill_steps > len(prompts)

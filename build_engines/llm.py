@@ -39,8 +39,8 @@ def build_llm(opts: BuildOptions) -> None:
     progress = Progress(name, 3)
     version_dir = opts.repository / name / "1"
     if fp8:
-        scales = calibration_scales(opts.checkpoint, opts.calibration) if opts.calibration else None
         scheme = Fp8Scheme("channel", opts.fp8_activations, kv_cache=opts.kv_cache_dtype == "fp8")
+        scales = calibration_scales(opts.checkpoint, opts.calibration) if opts.calibration else None
         with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights, "
                            f"{'per-token' if scheme.activations == 'token' else 'calibrated static'} activations"
                            f"{', FP8 KV cache' if scheme.kv_cache else ''})"):

@@ -84,7 +84,7 @@ def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(
     FP8 KV cache take their scales from `scales` (see `calibrate`)."""
     from safetensors.torch import save_file
 
-    if (scheme.activations == "tensor" or scheme.kv_cache) != (scales is not None):
+    if scheme.calibrated != (scales is not None):
         raise ValueError("static activation and KV cache scales come from calibration: give scales exactly when the "
                          "scheme has static activations or an FP8 KV cache")
     write_fp8_metadata(source, out, scheme)

@@ -138,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, scheme) in enumerate(SCHEMES.items()):
             out = Path(tmp) / f"scheme-{i}"
-            write_fp8_checkpoint(checkpoint, out, scheme,
-                                 scales if scheme.activations == "tensor" or scheme.kv_cache else None)
+            write_fp8_checkpoint(checkpoint, out, scheme, scales if scheme.calibrated else None)
             model = load_model(out, DTYPES[dtype], device)
             rows.append([name, *row(compare(reference, model, evaluation))])
             print(rows[-1], flush=True)

@@ -32,7 +32,6 @@ FAULTS_ENV = "MM_FAULT_INJECTION"
 FAULT_PARAMETER = "inject_fault"
 
 
-
 class TritonLogHandler(logging.Handler):
     """The `backends` package's log records into Triton's own log (pb_utils.Logger), beside the server's lines:
     the stub's Python logging has no handler of its own."""

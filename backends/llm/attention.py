@@ -10,8 +10,10 @@ them back, the key scale is folded into the queries and the value scale into the
 only converted, never rescaled.
 
 Decode steps on a GPU run the Triton kernel of paged_decode.py, which reads the blocks in place, when the step's
-metadata carries it. Everything else runs the portable implementation (gather the blocks, then PyTorch's
-scaled_dot_product_attention with a causal mask), on CPU and GPU; it is also the kernel's reference in the tests.
+metadata carries it; elsewhere they gather the blocks and run PyTorch's scaled_dot_product_attention (the kernel's
+reference in the tests). Prompts with nothing cached run causal SDPA one by one (flash on a GPU); a prefill after
+cached tokens runs `by_sequence` (the runner gives each sequence's span). The padded, masked form of the same
+attention, taken when no spans are given, is kept as `by_sequence`'s reference in the tests.
 """
 from __future__ import annotations
 
@@ -71,6 +73,11 @@ def decode_kernel(device: torch.device) -> Callable | None:
     return paged_decode_attention
 
 
+def readable(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered keys or values in `dtype`: an FP8 cache's bytes converted (its scales are applied by the caller)."""
+    return cached.view(FP8).to(dtype) if cached.dtype == torch.uint8 else cached
+
+
 def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              scales: KVScales | None = None) -> None:
     k_cache, v_cache = kv
@@ -99,8 +106,7 @@ def _paged_attention(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], met
     blocks = meta.block_tables[:, :-(-meta.max_context_len // k_cache.shape[1])]
     keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
     values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
-    if keys.dtype == torch.uint8:  # FP8 cache: scales applied by the caller
-        keys, values = keys.view(FP8).to(q.dtype), values.view(FP8).to(q.dtype)
+    keys, values = readable(keys, q.dtype), readable(values, q.dtype)
     gqa = keys.shape[1] != q.shape[1]
     if meta.fresh_lengths is not None:
         # prompts with nothing cached: each is plain causal attention over its own tokens, which SDPA runs as flash
@@ -148,9 +154,8 @@ def by_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     block_size = k_cache.shape[1]
     for i, start, n, length, mask in parts["chunks"]:
         blocks = meta.block_tables[i, :-(-length // block_size)]
-        keys, values = (cache[blocks].flatten(0, 1)[:length].transpose(0, 1) for cache in (k_cache, v_cache))
-        if keys.dtype == torch.uint8:  # FP8 cache: scales applied by the caller
-            keys, values = keys.view(FP8).to(q.dtype), values.view(FP8).to(q.dtype)
+        keys, values = (readable(cache[blocks].flatten(0, 1)[:length].transpose(0, 1), q.dtype)
+                        for cache in (k_cache, v_cache))
         if keys.shape[0] != q.shape[1]:  # GQA: SDPA's efficient kernels take a mask only with equal head counts
             keys, values = (t.repeat_interleave(q.shape[1] // t.shape[0], dim=0) for t in (keys, values))
         # 4-D inputs: with 3-D ones SDPA falls back to its math path (fp32 scores, hundreds of us of host time)

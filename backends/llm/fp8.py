@@ -63,6 +63,11 @@ class Fp8Scheme:
             raise ValueError(f"kv_cache_scheme {kv}: only 8-bit float with static per-tensor scales is supported")
         return cls(weights["strategy"], activations, ignore, bool(kv))
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the scheme has static scales that come from calibration (activations, KV cache)."""
+        return self.activations == "tensor" or self.kv_cache
+
     def quantizes(self, name: str) -> bool:
         """Whether the layer `name` ("" for a decoder projection, "lm_head") is FP8."""
         return not any(name and (p == name or (p.startswith("re:") and re.fullmatch(p[3:], name))) for p in self.ignore)

@@ -19,6 +19,22 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _quantized_dot(x_row, w_ptr, cols, x_scale, N, K, first, last, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] fp32: the row's inputs in [first, last), quantized to E4M3 with `x_scale`, times the FP8 weight rows
+    `cols` (products exact in fp32, summed in fp32; the scales are applied by the caller)."""
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    for start in range(first, last, BLOCK_K):
+        in_k = start + k < last
+        x = tl.load(x_row + start + k, mask=in_k, other=0.0).to(tl.float32)
+        xq = tl.clamp(x / x_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+        w = tl.load(w_rows + start + k[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1)
+    return acc
+
+
 @triton.autotune(
     configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
              for n, k, w, s in [(16, 512, 4, 4), (32, 256, 4, 4), (32, 512, 4, 3), (64, 256, 8, 3), (16, 1024, 8, 3),
@@ -40,14 +56,7 @@ def _fp8_gemv(x_ptr, w_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, out_ptr, N, K,
             x = tl.load(x_row + start + k, mask=start + k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         x_scale = tl.maximum(tl.max(amax) / 448.0, 1e-12)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
-    for start in range(0, K, BLOCK_K):
-        in_k = start + k < K
-        x = tl.load(x_row + start + k, mask=in_k, other=0.0).to(tl.float32)
-        xq = tl.clamp(x / x_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
-        w = tl.load(w_rows + start + k[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1)
+    acc = _quantized_dot(x_row, w_ptr, cols, x_scale, N, K, 0, K, BLOCK_N, BLOCK_K)
     out = acc * x_scale * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -80,16 +89,8 @@ def _fp8_gemv_split_k(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, acc_ptr, N, K,
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     first = tl.program_id(1) * span
-    k = tl.arange(0, BLOCK_K)
     x_scale = tl.load(x_scale_ptr)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
-    for start in range(first, tl.minimum(first + span, K), BLOCK_K):
-        in_k = start + k < K
-        x = tl.load(x_ptr + start + k, mask=in_k, other=0.0).to(tl.float32)
-        xq = tl.clamp(x / x_scale, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
-        w = tl.load(w_rows + start + k[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1)
+    acc = _quantized_dot(x_ptr, w_ptr, cols, x_scale, N, K, first, tl.minimum(first + span, K), BLOCK_N, BLOCK_K)
     out = acc * x_scale * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
     tl.atomic_add(acc_ptr + cols, out, mask=cols < N)
 

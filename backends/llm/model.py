@@ -165,7 +165,6 @@ class DecoderModel(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels | None = None, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.args = args
-        self.fp8_kv_cache = fp8 is not None and fp8.kv_cache
         kernels = kernels or Kernels()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8) for _ in range(args.num_hidden_layers))
@@ -200,7 +199,7 @@ class DecoderModel(nn.Module):
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        return FP8 if self.fp8_kv_cache else self.embed_tokens.weight.dtype
+        return FP8 if self.layers[0].self_attn.fp8_kv_cache else self.embed_tokens.weight.dtype
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

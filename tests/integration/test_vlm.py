@@ -59,7 +59,7 @@ def test_greedy_answers_equal_llava_next_for_concurrent_requests(server, referen
         assert timing.text == reference(image, prompt, 16), prompt
 
 
-def test_the_same_image_asked_again_reuses_its_features_and_prefix(server, reference):
+def test_the_same_image_asked_again_shares_its_prefix_blocks(server, reference):
     from tests.integration.test_llm import metric
 
     image, prompts = encode(random_image(500, 300, seed=7)), ["<image> a photo of the cat", "<image> the red car"]

@@ -14,6 +14,8 @@
 #   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
 #   "attention": the paged decode kernel's tests, and the engine on Llama-3-8B shapes in bf16 and FP8 with decode
 #   attention by the paged kernel and by gather + SDPA, one run (perf.llm_engine --variants);
+#   "gemv": the GEMV kernel's tests on the GPU, then its block configurations swept on Llama-3-8B's projections in
+#   bf16 and FP8 beside cuBLAS and the earlier FP8 kernel (perf.gemv_sweep);
 #   "prefill": the engine's tests on the GPU, then chunked prefill and prefix caching on Llama-3-8B shapes
 #   (perf.llm_prefill))
 set -euo pipefail
@@ -116,6 +118,10 @@ if [[ " ${SCENARIOS:-images} " == *" attention "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py
   "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:gather,bf16:paged,fp8:gather,fp8:paged \
     --scenario llm-engine-attention --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" gemv "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_gemv.py
+  "$py" -m perf.gemv_sweep --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" prefill "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py tests/unit/test_prefix_cache.py \

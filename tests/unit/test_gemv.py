@@ -1,0 +1,118 @@
+"""backends/llm/gemv.py against float64 references of the unfused ops (Triton's interpreter on the CPU, the kernel on
+a GPU)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.llm.fp8 import FP8, quantize_tokens, quantize_weight
+from backends.llm.gemv import _WORKSPACE, GemvConfig, gemv
+from backends.llm.model import rms_norm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIGS = [GemvConfig(16, 32, 1, 4), GemvConfig(16, 32, 2, 4, 2), GemvConfig(8, 16, 4, 2, 2), GemvConfig(32, 64, 1, 4)]
+SHAPES = [(48, 64), (50, 70), (64, 128), (33, 100)]  # (N, K): with and without masks, split-K spans left over
+
+
+def reference(x, weight, weight_scale=None, bias=None, norm=None, silu=False, residual=None):
+    """The unfused ops in x's dtype, the product in float64 (of the E4M3-quantized input for FP8 weights)."""
+    if silu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    if weight.dtype == FP8:
+        xq, x_scale = quantize_tokens(x, None)
+        out = (xq.double() * x_scale.double()) @ (weight.double() * weight_scale.double()).t()
+    else:
+        out = x.double() @ weight.double().t()
+    out = (out + (0 if bias is None else bias.double())).to(x.dtype)
+    return out if residual is None else residual + out
+
+
+def operands(n, k, fp8, dtype, silu, normed, with_residual, with_bias, rows=2):
+    g = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=g) * 0.1
+    weight, scale = quantize_weight(weight) if fp8 else (weight.to(dtype), None)
+    x = torch.randn(rows, 2 * k if silu else k, generator=g).to(dtype)
+    norm = ((torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE), 1e-5) if normed else None
+    residual = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    bias = torch.randn(n, generator=g).to(DEVICE) if with_bias else None
+    return (x.to(DEVICE), weight.to(DEVICE), None if scale is None else scale.to(DEVICE), bias), \
+        dict(norm=norm, silu=silu, residual=residual)
+
+
+@pytest.mark.parametrize("shape,config", list(zip(SHAPES, CONFIGS)))
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernel_computes_the_unfused_layer_in_fp32(shape, config, fp8):
+    """fp32 activations: every prologue/epilogue, split-K and masking combination gives the reference product."""
+    for prologue, with_residual, with_bias in itertools.product(["none", "norm", "silu"], [False, True], [False, True]):
+        (x, w, scale, bias), fused = operands(*shape, fp8, torch.float32, prologue == "silu", prologue == "norm",
+                                              with_residual, with_bias)
+        out = gemv(x, w, scale, None, bias, config=config, **fused)
+        ref = reference(x, w, scale, bias, **fused)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        assert torch.allclose(out.double(), ref.double(), rtol=1e-5, atol=1e-5), (prologue, with_residual, with_bias)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernel_rounds_bf16_as_the_unfused_ops(fp8):
+    """bf16: the fused RMSNorm / SiLU * up / residual give what the unfused model computes, within bf16 rounding
+    (and, for FP8, an E4M3 step where a rounding difference moves an input across a boundary). Triton's interpreter
+    truncates to bf16 instead of rounding, so on the CPU each rounding step may be one unit further off."""
+    tolerance = 3e-2 if fp8 else 4e-3 if DEVICE == "cuda" else 1.5e-2
+    for prologue, with_residual in itertools.product(["none", "norm", "silu"], [False, True]):
+        (x, w, scale, _), fused = operands(64, 128, fp8, torch.bfloat16, prologue == "silu", prologue == "norm",
+                                           with_residual, False)
+        out = gemv(x, w, scale, config=CONFIGS[1], **fused)
+        ref = reference(x, w, scale, **fused)
+        assert out.dtype == torch.bfloat16
+        assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < tolerance, prologue
+
+
+def test_static_input_scale_is_used_as_given():
+    (x, w, scale, _), _ = operands(48, 64, True, torch.float32, False, False, False, False)
+    x_scale = torch.tensor(0.05, device=DEVICE)
+    out = gemv(x, w, scale, x_scale, config=CONFIGS[0])
+    xq = (x / x_scale).clamp(-448, 448).to(FP8).double() * 0.05
+    ref = xq @ (w.double() * scale.double()).t()
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_e4m3_rounding_equals_torchs_cast():
+    """The kernel rounds inputs to E4M3 in fp32 arithmetic (the interpreter's own fp8 cast mis-rounds): every E4M3
+    value, every midpoint between neighbours (ties to even), subnormals and random values round as torch's cast."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    positive = grid[grid >= 0]
+    midpoints = (positive[1:] + positive[:-1]) / 2
+    values = torch.cat([grid, midpoints, -midpoints, torch.randn(4096) * 30, torch.randn(1024) * 0.01,
+                        torch.tensor([448.0, -448.0, 1e-12, -1e-12, 0.0])]).clamp(-448, 448)
+    n, k = values.numel(), 64
+    padded = torch.zeros(-(-n // k) * k)
+    padded[:n] = values
+    x = padded.view(-1, k).to(DEVICE)  # times an identity weight at scale 1: the quantized inputs come out as they are
+    eye, ones = torch.eye(k).to(FP8).to(DEVICE), torch.ones(k, 1, device=DEVICE)
+    x_scale = torch.tensor(1.0, device=DEVICE)
+    out = gemv(x, eye, ones, x_scale, config=GemvConfig(16, 32, 1, 4)).flatten()[:n].cpu()
+    assert torch.equal(out, values.to(FP8).float())
+
+
+def test_split_k_counters_are_reset_and_results_repeat():
+    (x, w, scale, _), _ = operands(50, 70, True, torch.float32, False, False, False, False)
+    first = gemv(x, w, scale, config=CONFIGS[2])
+    second = gemv(x, w, scale, config=CONFIGS[2])
+    assert torch.equal(first, second)
+    locks = [t for held in _WORKSPACE.buffers.values() for t in held if t.dtype == torch.int32]
+    assert locks and all(int(t.abs().sum()) == 0 for t in locks)
+
+
+def test_mismatched_operands_are_refused():
+    (x, w, scale, _), _ = operands(48, 64, True, torch.float32, False, False, False, False)
+    with pytest.raises(ValueError, match="gemv"):
+        gemv(x, w, None)
+    with pytest.raises(ValueError, match="gemv"):
+        gemv(x[:, :32], w, scale)

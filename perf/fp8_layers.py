@@ -1,7 +1,7 @@
 """python -m perf.fp8_layers: one linear layer of Llama-3-8B's shapes at decode batch sizes, three ways, on a GPU.
 
-bf16 `F.linear` against the FP8 paths of backends/llm/fp8.py: cuBLAS' FP8 GEMM (`torch._scaled_mm` after quantizing
-the activations per token) and the Triton kernel of backends/llm/fp8_gemv.py. Each variant is captured in one CUDA
+bf16 `F.linear` against the FP8 paths: cuBLAS' FP8 GEMM (`torch._scaled_mm` after quantizing the activations per
+token, backends/llm/fp8.py) and, for one row, the Triton kernels of backends/llm/gemv.py (perf.gemv_sweep tunes them). Each variant is captured in one CUDA
 graph that runs it over enough weight copies (>= 256 MiB) that no weight comes from L2, and the graph's replays are
 timed with CUDA events; the figure is the median time per layer call and the weight bytes it read per second. Every
 variant's output is checked against the float product of the same quantized operands first.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.llm import fp8
-from backends.llm.fp8_gemv import fp8_gemv_split_k
+from backends.llm.model import GEMV_MAX_ROWS
 from perf.report import hardware_line, write_table
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())
     args = parser.parse_args(argv)
-    gemv = fp8.gemv_kernel(torch.device("cuda", 0)) if torch.cuda.is_available() else None
-    if gemv is None:
-        print("perf.fp8_layers needs Triton and a GPU with FP8 (compute capability 8.9 or newer)", file=sys.stderr)
+    if not (torch.cuda.is_available() and fp8.scaled_mm_available(torch.device("cuda", 0))):
+        print("perf.fp8_layers needs a GPU with FP8 (compute capability 8.9 or newer)", file=sys.stderr)
         return 1
+    from backends.llm.gemv import gemv
+
     torch.manual_seed(0)
     quantize_tokens = torch.compile(fp8.quantize_tokens, dynamic=True)  # as the engine's Kernels.compiled() has it
     rows = []
@@ -82,16 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                                         scale_b=layer.weight_scale.view(1, -1), out_dtype=x.dtype)
 
             def kernel(layer, x):
-                return gemv(x, layer.weight, layer.weight_scale, None, None)
+                return gemv(x, layer.weight, layer.weight_scale)
 
-            def given_scale(layer, x):  # the token's scale computed before (e.g. fused into the norm)
-                return gemv(x, layer.weight, layer.weight_scale, x_scale, None)
-
-            def split_k(layer, x):
-                return fp8_gemv_split_k(x, layer.weight, layer.weight_scale, x_scale)
-
-            variants = {"scaled_mm": scaled_mm} | ({"triton": kernel} if m <= 4 else {}) | (
-                {"triton, scale given": given_scale, "triton split-K, scale given": split_k} if m == 1 else {})
+            variants = {"scaled_mm": scaled_mm} | ({"triton": kernel} if m <= GEMV_MAX_ROWS else {})
             for variant, fn in variants.items():
                 error = ((fn(layers[0], x).double() - reference).norm() / reference.norm()).item()
                 if not error < 1e-2:
@@ -100,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             fp8_us = {variant: graph_time_us(fn, layers, x) for variant, fn in variants.items()}
             best = min(fp8_us["scaled_mm"], fp8_us.get("triton", float("inf")))  # the engine's paths
             rows.append([name, f"{n}x{k}", m, f"{bf16_us:.1f}", *(f"{fp8_us[v]:.1f}" if v in fp8_us else "-" for v in (
-                "scaled_mm", "triton", "triton, scale given", "triton split-K, scale given")),
+                "scaled_mm", "triton")),
                 f"{2 * n * k / bf16_us / 1e3:.0f}", f"{n * k / best / 1e3:.0f}", f"{bf16_us / best:.2f}"])
             print(*rows[-1], flush=True)
         del weights, layers
@@ -108,14 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     notes = ["Times: median of 20 replays of a CUDA graph calling the layer once per weight copy (>= 256 MiB of FP8 "
              "weights, so L2 holds none of them); per call. GB/s: weight bytes read per second.",
              "scaled_mm includes the per-token activation quantization before it (one torch.compile'd kernel, as in "
-             "the engine); the Triton kernel quantizes inside (timed up to 4 rows; the engine runs it at 1 row only). FP8 results "
-             "checked against the float product of the quantized operands (relative error < 1e-2) before timing.",
-             "Experiments at one row, not used by the engine: the kernel with the token's scale given (computed "
-             "before, as a norm fused with the quantization would), and a split-K form of it (several programs per "
-             "output block, fp32 partial sums added atomically, then cast; zeroing and cast included)."]
+             "the engine); the Triton kernels (gemv.py: the quantization, then the product; one row, as the engine "
+             "runs them). FP8 results checked against the float product of the quantized operands (relative error "
+             "< 1e-2) before timing."]
     path = write_table(args.results / args.host, "fp8-layers",
-                       ["layer", "N x K", "rows", "bf16 us", "fp8 scaled_mm us", "fp8 triton us",
-                        "triton, scale given us", "triton split-K, scale given us", "bf16 GB/s",
+                       ["layer", "N x K", "rows", "bf16 us", "fp8 scaled_mm us", "fp8 triton us", "bf16 GB/s",
                         "fp8 GB/s (engine's faster path)", "bf16 / fp8"], rows, hardware_line("n/a (in-process)"),
                        notes)
     print(path.read_text())

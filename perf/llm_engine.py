@@ -8,10 +8,12 @@
 Output lengths are forced (min_tokens = max_tokens, transformers' min_new_tokens) so both produce the same tokens
 count. Weights: a local checkpoint, the tiny one, or a real-size random init (`--random-init llama-3-8b`).
 
-`--variants bf16:gather,bf16:paged,fp8:paged` compares instead engines on the same weights with each other, one after
-the other in the same run: bf16 or quantized to FP8 E4M3 (per-channel weights, per-token activations;
-backends/llm/fp8.py), decode attention by the paged Triton kernel or gather + SDPA; decode tokens/s at batch 1, the
-concurrent run, the graph step, and the time each engine takes to be ready. `--dtype fp8` = bf16:paged,fp8:paged.
+`--variants bf16:paged:library,bf16:paged,fp8:paged` compares instead engines on the same weights with each other, one
+after the other in the same run: PRECISION:ATTENTION[:LINEAR], bf16 or quantized to FP8 E4M3 (per-channel weights,
+per-token activations; backends/llm/fp8.py), decode attention by the paged Triton kernel or gather + SDPA, one-token
+linear layers by the GEMV kernels of backends/llm/gemv.py (default) or the library (cuBLAS); decode tokens/s at
+batch 1, the concurrent run, the graph step, and the time each engine takes to be ready. `--dtype fp8` =
+bf16:paged,fp8:paged.
 """
 from __future__ import annotations
 
@@ -144,21 +146,23 @@ def load_reference(args, device: torch.device, dtype: torch.dtype):
     return checkpoint, model, None
 
 
-def compare_engines(args, device: torch.device, bandwidth: float, variants: list[tuple[str, str]]
+def compare_engines(args, device: torch.device, bandwidth: float, variants: list[tuple[str, str, str]]
                     ) -> tuple[list[str], list[list[str]], list[str]]:
-    """Engines on the same weights, one after the other, each a (precision bf16/fp8, decode attention paged/gather)
-    variant: table columns, rows (each variant, then its ratio to the first) and notes."""
+    """Engines on the same weights, one after the other, each a (precision bf16/fp8, decode attention paged/gather,
+    one-token linear layers gemv/library) variant: table columns, rows (each variant, then its ratio to the first)
+    and notes."""
     checkpoint, reference, weights = load_reference(args, device, torch.bfloat16)
     weights = weights or list(checkpoint_tensors(checkpoint))
     del reference  # `weights` keeps the tensors
     found: list[dict[str, float]] = []
     notes = []
-    for precision, attention in variants:
-        label = f"{precision} {attention}"
+    for precision, attention, linear in variants:
+        label = f"{precision} {attention} {linear}"
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
-                              compile_kernels=args.compile_kernels, decode_attention=attention)
+                              compile_kernels=args.compile_kernels, decode_attention=attention,
+                              decode_linear=linear)
         if precision == "bf16":
             engine = LLMEngine(checkpoint, config, weights)
         else:  # quantized on the device as the engine loads them (part of its ready time)
@@ -185,7 +189,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    labels = [f"{p} {a}" for p, a in variants]
+    labels = [" ".join(v) for v in variants]
     columns = ["measure", *labels, *(f"{label} / {labels[0]}" for label in labels[1:])]
 
     def row(measure: str, key: str, fmt: str) -> list[str]:
@@ -198,11 +202,13 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
                 "(all added at once)", "concurrent", ".1f"),
             row("batch-1 decode step replayed from its CUDA graph, ms", "replay", ".2f"),
             row("engine ready, s (load, FP8 quantizing on the device, KV cache, graph capture)", "ready", ".1f")]
-    notes.append("fp8: E4M3 weights with per-channel scales, activations quantized per token; linear layers of one "
-                 "token run the Triton kernel of backends/llm/fp8_gemv.py, larger ones torch._scaled_mm after one "
-                 "compiled quantization kernel; embedding, norms, attention and the LM head in bf16. paged: decode "
-                 "attention by the Triton kernel of backends/llm/paged_decode.py (KV blocks read in place); gather: "
-                 "each sequence's blocks copied out, then SDPA.")
+    notes.append("fp8: E4M3 weights with per-channel scales, activations quantized per token; steps of more than "
+                 "one token run torch._scaled_mm after one compiled quantization kernel; embedding, norms, attention "
+                 "and the LM head in bf16. paged: decode attention by the Triton kernel of "
+                 "backends/llm/paged_decode.py (KV blocks read in place); gather: each sequence's blocks copied out, "
+                 "then SDPA. gemv: one-token steps run every linear layer (the LM head too) through "
+                 "backends/llm/gemv.py, with the RMSNorm / SiLU * up before and the residual add after fused into "
+                 "them; library: cuBLAS (torch._scaled_mm for FP8 at one row) and separate kernels.")
     return columns, rows, notes
 
 
@@ -231,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     if args.dtype == "fp8" or args.variants:
-        variants = [tuple(v.split(":")) for v in (args.variants or "bf16:paged,fp8:paged").split(",")]
-        if any(len(v) != 2 or v[0] not in ("bf16", "fp8") or v[1] not in ("paged", "gather") for v in variants):
-            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION with bf16|fp8 and paged|gather")
+        variants = [tuple((v + ":gemv").split(":")[:3]) if v.count(":") == 1 else tuple(v.split(":"))
+                    for v in (args.variants or "bf16:paged,fp8:paged").split(",")]
+        if any(len(v) != 3 or v[0] not in ("bf16", "fp8") or v[1] not in ("paged", "gather")
+               or v[2] not in ("gemv", "library") for v in variants):
+            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION[:LINEAR] with bf16|fp8, paged|gather "
+                         "and gemv|library")
         columns, rows, notes = compare_engines(args, device, bandwidth, variants)
         model = "random init llama-3-8b shapes" if args.random_init else args.checkpoint or "the tiny checkpoint"
         notes.insert(0, f"Model: {model}. Device copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s.")

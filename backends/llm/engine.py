@@ -55,6 +55,9 @@ class EngineConfig(Parameters):
     # measured no faster, README): a new prompt prefills whole in a step of its own
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
     # gather: copy each sequence's blocks, then SDPA (the reference; what runs on the CPU)
+    decode_linear: str = choice("gemv", "library")  # gemv: one-token steps run their linear layers as the Triton
+    # kernels of gemv.py, the norms, SiLU * up and residual adds around them fused (CUDA); library: cuBLAS
+    # (torch._scaled_mm for FP8) and separate kernels, what larger steps and the CPU run
 
 
 class StepFailed(RuntimeError):
@@ -85,7 +88,8 @@ class LLMEngine:
         self.dtype = DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.model = load_model(checkpoint, self.dtype, self.device, weights,
-                                compile_kernels=config.compile_kernels and self.device.type == "cuda")
+                                compile_kernels=config.compile_kernels and self.device.type == "cuda",
+                                gemv=config.decode_linear == "gemv")
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         eos = set(args.eos_token_ids)

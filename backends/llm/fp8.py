@@ -2,10 +2,10 @@
 
 Weights are stored in float8_e4m3fn with a scale per output channel (a per-tensor scale is the same thing with equal
 rows, which is also how fused q/k/v and gate/up projections keep each part's own scale); activations are quantized
-per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, a Triton kernel
-(fp8_gemv.py) multiplies batch-1 steps and `torch._scaled_mm` larger ones; elsewhere the same product is computed
-from the dequantized operands in fp32, so CPU tests check the arithmetic the GPU runs (up to the order of the fp32
-accumulation).
+per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, one-token steps run the
+Triton kernel of gemv.py (the model's `project` routes them) and larger ones `torch._scaled_mm`; elsewhere the same
+product is computed from the dequantized operands in fp32, so CPU tests check the arithmetic the GPU runs (up to the
+order of the fp32 accumulation).
 
 Checkpoints follow compressed-tensors' "float-quantized" format, which llm-compressor writes and vLLM reads:
 `<linear>.weight` in float8_e4m3fn, `<linear>.weight_scale` ([out, 1] per channel or [1] per tensor),
@@ -25,7 +25,6 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row or token still gets a usable scale
-GEMV_MAX_ROWS = 1  # batch 1 runs the Triton kernel of fp8_gemv.py; larger batches cuBLAS' FP8 GEMM (measured faster)
 
 
 @dataclass(frozen=True)
@@ -118,18 +117,6 @@ def scaled_mm_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-@functools.cache
-def gemv_kernel(device: torch.device):
-    """backends/llm/fp8_gemv.fp8_gemv where it can run (Triton on an FP8-capable GPU), else None."""
-    if not scaled_mm_available(device):
-        return None
-    try:
-        from backends.llm.fp8_gemv import fp8_gemv
-    except ImportError:
-        return None
-    return fp8_gemv
-
-
 class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in E4M3 and per-row scales, x quantized per token or with a static scale."""
 
@@ -144,8 +131,6 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS and (gemv := gemv_kernel(x.device)) is not None:
-            return gemv(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         static = None if self.input_scale is None else self.input_scale.expand(x.shape[0], 1)
         xq, x_scale = self.quantize_inputs(x, static)
         if scaled_mm_available(x.device) and x.dtype == torch.bfloat16 and self.in_features % 16 == 0 == \

@@ -1,15 +1,15 @@
 """Triton matrix-vector kernels for the linear layers of one-token decode steps (bf16/fp16 or FP8 E4M3 weights).
 
-At batch 1 a linear layer is bound by the bytes of its weight: the time is the number of round trips to memory
-times their latency, unless enough bytes are in flight. So each program owns BLOCK_N output features and a span of
-K (SPLIT_K programs share a row of blocks; the last one to finish, found by an atomic counter, adds their fp32
-partial sums in a fixed order, so results do not depend on timing), and the loop may be unrolled to issue several
-weight tiles' loads at once. The layer's neighbours are folded in where the kernel reads its input or writes its
-output, which removes their kernel launches from the step: the RMSNorm before q/k/v and gate/up, SiLU(gate) * up
-before down, and the residual add after o and down. Each is rounded as the unfused bf16 ops round it. FP8 weights
-carry a scale per output row; their input is quantized per token (dynamic: the row's absolute maximum, after the
-fused prologue) or with a calibrated static scale, and the products of E4M3 values are summed in fp32, which is
-`Fp8Linear`'s arithmetic.
+At batch 1 a linear layer is bound by the bytes of its weight, and its time is the number of round trips to memory
+times their latency unless enough bytes are in flight. So each program of `_gemv_kernel` owns a few output features
+and a long span of K, read in wide tiles (perf.gemv_sweep measured the block sizes; small BLOCK_N, BLOCK_K of 1-2K);
+SPLIT_K > 1 lets several programs share a row of blocks, the last to finish (an atomic counter) adding their fp32
+partial sums in a fixed order, so results do not depend on timing. The residual add after the layer happens as the
+output is written. What comes before the layer runs once per row in `_prepare_kernel`, not in every program (the
+sweep measured that: recomputed by each program it cost up to 17 us on down_proj): the RMSNorm before q/k/v and
+gate/up or SiLU(gate) * up before down, each rounded as the unfused bf16 ops round it, and for FP8 weights the
+input's E4M3 quantization (per token, or with a calibrated static scale). Its output holds the E4M3 values in the
+activations' dtype (exact in bf16 and fp16), and the products are summed in fp32: `Fp8Linear`'s arithmetic.
 """
 from __future__ import annotations
 
@@ -29,22 +29,6 @@ class GemvConfig:
     split_k: int
     warps: int
     unroll: int = 1
-
-
-@triton.jit
-def _input(x_row, offs, mask, K, r, norm_ptr, NORM: tl.constexpr, SILU: tl.constexpr):
-    """The layer's input at `offs` in fp32, rounded to the activations' dtype after each step as the unfused ops do:
-    SiLU(gate) * up of a [gate | up] row, or RMSNorm(x) * weight given 1/rms `r`."""
-    dtype = x_row.dtype.element_ty
-    if SILU:
-        g = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * u
-    else:
-        y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        y = (y * r).to(dtype).to(tl.float32) * tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return y.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -73,46 +57,72 @@ def _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_ptr, norm_ptr, partial_ptr, lock_ptr,
-                 N, eps, K: tl.constexpr, FP8: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr,
-                 UNROLL: tl.constexpr):
+def _prepare_kernel(x_ptr, out_ptr, scale_ptr, norm_ptr, eps, K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+                    QUANTIZE: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: out = f(x) (RMSNorm(x) * weight, or SiLU(gate) * up of a [gate | up] row), rounded to
+    the activations' dtype after each step as the unfused ops do; with QUANTIZE, out / scale rounded to E4M3 and the
+    scale (the row's absolute maximum / 448, or the static one) in scale_ptr[row]."""
+    row = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    x_row, out_row = x_ptr + row * (2 * K if SILU else K), out_ptr + row * K
+    offs = tl.arange(0, BLOCK)
+    r = 1.0
+    if NORM:
+        squares = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, K, BLOCK):
+            v = tl.load(x_row + start + offs, mask=start + offs < K, other=0.0).to(tl.float32)
+            squares += v * v
+        r = tl.rsqrt(tl.sum(squares) / K + eps)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, K, BLOCK):
+        mask = start + offs < K
+        y = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            u = tl.load(x_row + K + start + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * u
+        if NORM:
+            w = tl.load(norm_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (y * r).to(dtype).to(tl.float32) * w
+        y = y.to(dtype)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+        tl.store(out_row + start + offs, y, mask=mask)
+    if QUANTIZE:
+        if STATIC:
+            scale = tl.load(scale_ptr)
+        else:
+            scale = tl.maximum(tl.max(amax) / 448.0, 1e-12)
+            tl.store(scale_ptr + row, scale)
+        tl.debug_barrier()  # this program's stores above are read back below
+        for start in range(0, K, BLOCK):
+            mask = start + offs < K
+            y = tl.load(out_row + start + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + start + offs, _round_e4m3(tl.clamp(y / scale, -448.0, 448.0)).to(dtype), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_ptr, partial_ptr, lock_ptr, N,
+                 K: tl.constexpr, FP8: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr):
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + row * (2 * K if SILU else K)
-    chunks: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    r = 1.0
-    if NORM:  # every program reads the whole row (from L2) for its statistics
-        squares = tl.zeros([BLOCK_K], tl.float32)
-        for c in range(chunks):
-            v = tl.load(x_row + c * BLOCK_K + k, mask=c * BLOCK_K + k < K, other=0.0).to(tl.float32)
-            squares += v * v
-        r = tl.rsqrt(tl.sum(squares) / K + eps)
-    x_scale = 1.0
-    if FP8:
-        if STATIC:
-            x_scale = tl.load(x_scale_ptr)
-        else:
-            amax = tl.zeros([BLOCK_K], tl.float32)
-            for c in range(chunks):
-                offs = c * BLOCK_K + k
-                amax = tl.maximum(amax, tl.abs(_input(x_row, offs, offs < K, K, r, norm_ptr, NORM, SILU)))
-            x_scale = tl.maximum(tl.max(amax) / 448.0, 1e-12)
+    x_row = x_ptr + row * K
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     first = pid_k * ITERS * BLOCK_K
     acc = tl.zeros([BLOCK_N], tl.float32)
     for i in tl.range(0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        y = _input(x_row, offs, offs < K, K, r, norm_ptr, NORM, SILU)
-        if EVEN:  # N and K are multiples of the blocks: the weight tile needs no mask
+        if EVEN:  # N and K are multiples of the blocks: no masks
+            x = tl.load(x_row + offs)
             w = tl.load(w_rows + offs[None, :])
         else:
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0)
             w = tl.load(w_rows + offs[None, :], mask=(cols[:, None] < N) & (offs[None, :] < K), other=0.0)
-        if FP8:
-            y = _round_e4m3(tl.clamp(y / x_scale, -448.0, 448.0))
-        acc += tl.sum(w.to(tl.float32) * y[None, :], axis=1)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    x_scale = 1.0
+    if FP8:
+        x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
     if SPLIT_K == 1:
         _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
     else:
@@ -148,8 +158,26 @@ _WORKSPACE = _Workspace()
 
 
 def default_config(n: int, k: int, fp8: bool) -> GemvConfig:
-    """A config for weight [n, k]; see perf.gemv_sweep for how it was chosen."""
-    return GemvConfig(block_n=16, block_k=512 if fp8 else 256, split_k=1, warps=4)
+    """A config for weight [n, k] from perf.gemv_sweep on the H200 (Llama-3-8B's projections): tiles of 8-16 KB,
+    a few output features per program, no split-K."""
+    return GemvConfig(block_n=4, block_k=2048, split_k=1, warps=4) if not fp8 else \
+        GemvConfig(block_n=8, block_k=2048, split_k=1, warps=8)
+
+
+def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
+            quantize: bool = False, input_scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(f(x), scale): see `_prepare_kernel`; `scale` is [M] for dynamic quantization, `input_scale` for static, None
+    without quantization."""
+    m, k = x.shape[0], x.shape[1] // 2 if silu else x.shape[1]
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    scale = input_scale if input_scale is not None or not quantize else torch.empty(m, dtype=torch.float32,
+                                                                                    device=x.device)
+    _prepare_kernel[(m,)](x.contiguous(), out, scale if scale is not None else out,
+                          norm[0] if norm is not None else out, norm[1] if norm is not None else 0.0, K=k,
+                          NORM=norm is not None, SILU=silu, QUANTIZE=quantize, STATIC=input_scale is not None,
+                          BLOCK=1024, num_warps=8)
+    return out, scale
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
@@ -164,6 +192,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     if x.shape[1] != (2 * k if silu else k) or (fp8 and weight_scale is None) or (norm is not None and silu):
         raise ValueError(f"gemv: input {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"silu={silu}, norm={norm is not None}")
+    x_scale = None
+    if norm is not None or silu or fp8:
+        x, x_scale = prepare(x, norm, silu, fp8, input_scale)
     c = config or default_config(n, k, fp8)
     chunks = triton.cdiv(k, c.block_k)
     iters = triton.cdiv(chunks, c.split_k)
@@ -172,13 +203,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     locks, partials = _WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
-    any_tensor = out
     _gemv_kernel[(blocks, split_k, m)](
-        x, weight, out, weight_scale if fp8 else any_tensor, input_scale if input_scale is not None else any_tensor,
-        bias if bias is not None else any_tensor, residual.contiguous() if residual is not None else any_tensor,
-        norm[0] if norm is not None else any_tensor, partials, locks, n, norm[1] if norm is not None else 0.0,
-        K=k, FP8=fp8, STATIC=input_scale is not None, HAS_BIAS=bias is not None, NORM=norm is not None, SILU=silu,
-        RESIDUAL=residual is not None, EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k,
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        x, weight, out, weight_scale if fp8 else out, x_scale if x_scale is not None else out,
+        bias if bias is not None else out, residual.contiguous() if residual is not None else out, partials, locks,
+        n, K=k, FP8=fp8, STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         SPLIT_K=split_k, ITERS=iters, UNROLL=c.unroll, num_warps=c.warps)
     return out

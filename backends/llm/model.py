@@ -8,6 +8,7 @@ plug in there too.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,10 @@ import torch
 from torch import nn
 
 from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
-from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme, quantize_tokens
+from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme, quantize_tokens, scaled_mm_available
+
+GEMV_MAX_ROWS = 1  # steps of one token run their linear layers through backends/llm/gemv.py on a GPU
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -66,6 +70,45 @@ def make_linear(in_features: int, out_features: int, bias: bool, kernels: Kernel
     return nn.Linear(in_features, out_features, bias=bias)
 
 
+def gemv_operands(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> tuple | None:
+    """(weight, weight_scale, input_scale, bias) where backends/llm/gemv.py runs `linear` at `x`'s rows, else None:
+    one-token steps of plain or FP8 linear layers, on a GPU with Triton (FP8 from compute capability 8.9)."""
+    if not kernels.gemv or x.shape[0] > GEMV_MAX_ROWS or x.dtype not in GEMV_DTYPES:
+        return None
+    if type(linear) is nn.Linear and gemv_runs_on(x.device, fp8=False):
+        return linear.weight, None, None, linear.bias
+    if isinstance(linear, Fp8Linear) and gemv_runs_on(x.device, fp8=True):
+        return linear.weight, linear.weight_scale, linear.input_scale, linear.bias
+    return None
+
+
+@functools.cache
+def gemv_runs_on(device: torch.device, fp8: bool) -> bool:
+    if device.type != "cuda" or (fp8 and not scaled_mm_available(device)):
+        return False
+    try:
+        import backends.llm.gemv  # noqa: F401  (Triton)
+    except ImportError:
+        return False
+    return True
+
+
+def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, silu: bool = False,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(f(x)) (+ residual), f = the RMSNorm `norm` or SiLU(gate) * up (`silu`) or nothing: one GEMV kernel with
+    its neighbours fused where gemv_operands allows, else the separate ops (linear's forward sees its own input)."""
+    if (operands := gemv_operands(linear, x, kernels)) is not None:
+        from backends.llm.gemv import gemv
+
+        return gemv(x, *operands, norm=None if norm is None else (norm.weight, norm.eps), silu=silu, residual=residual)
+    if silu:
+        x = kernels.silu_mul(x)
+    if norm is not None:
+        x = norm(x)
+    out = linear(x)
+    return out if residual is None else residual + out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As Hugging Face's: normalise in fp32, scale in the model dtype."""
     dtype = x.dtype
@@ -88,14 +131,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 class Kernels:
     """The elementwise pieces of a layer. `compiled()` gives torch.compile'd versions (one fused kernel each instead
-    of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels)."""
+    of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels). `gemv`: whether
+    one-token steps may run their projections through gemv.py (see `project`)."""
 
     rms_norm, rotate, silu_mul = staticmethod(rms_norm), staticmethod(rotate), staticmethod(silu_mul)
     quantize_tokens = staticmethod(quantize_tokens)  # FP8 layers' activations
 
+    def __init__(self, gemv: bool = True):
+        self.gemv = gemv
+
     @classmethod
-    def compiled(cls) -> Kernels:
-        kernels = cls()
+    def compiled(cls, gemv: bool = True) -> Kernels:
+        kernels = cls(gemv)
         for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens"):
             setattr(kernels, name, torch.compile(getattr(cls, name), dynamic=True))
         return kernels
@@ -128,24 +175,24 @@ class Attention(nn.Module):
     def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self.k_scale, self.v_scale) if self.fp8_kv_cache else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """Rotary, the cache write and attention over the q/k/v projection's output: [T, heads * head_dim], the
+        input of o_proj (DecoderLayer runs the projections, so it can fuse their neighbours)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.kernels.rotate(q.view(-1, self.heads, self.head_dim), cos, sin)
         k = self.kernels.rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
         write_kv(kv, k, v.view(-1, self.kv_heads, self.head_dim), meta.slot_mapping, self.kv_scales)
-        return self.o_proj(paged_attention(q, kv, meta, self.kv_scales).reshape(-1, self.q_size))
+        return paged_attention(q, kv, meta, self.kv_scales).reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
+    """The MLP's projections (checkpoint names mlp.*); DecoderLayer runs them: down(SiLU(gate) * up)."""
+
     def __init__(self, args: ModelArgs, kernels: Kernels, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.gate_up_proj = make_linear(args.hidden_size, 2 * args.intermediate_size, False, kernels, fp8)
         self.down_proj = make_linear(args.intermediate_size, args.hidden_size, False, kernels, fp8)
-        self.kernels = kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -155,10 +202,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args, kernels, fp8)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.mlp = MLP(args, kernels, fp8)
+        self.kernels = kernels
 
     def forward(self, x, cos, sin, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn, mlp, kernels = self.self_attn, self.mlp, self.kernels
+        qkv = project(attn.qkv_proj, x, kernels, norm=self.input_layernorm)
+        x = project(attn.o_proj, attn(qkv, cos, sin, kv, meta), kernels, residual=x)
+        gate_up = project(mlp.gate_up_proj, x, kernels, norm=self.post_attention_layernorm)
+        return project(mlp.down_proj, gate_up, kernels, silu=True, residual=x)
 
 
 class DecoderModel(nn.Module):
@@ -170,6 +221,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, kernels, fp8, "lm_head")
+        self.kernels = kernels
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
@@ -202,7 +254,7 @@ class DecoderModel(nn.Module):
         return FP8 if self.layers[0].self_attn.fp8_kv_cache else self.embed_tokens.weight.dtype
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return project(self.lm_head, hidden, self.kernels).float()
 
 
 def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -224,18 +276,18 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
-               tensors: Iterable[tuple[str, torch.Tensor]] | None = None, compile_kernels: bool = False
-               ) -> DecoderModel:
+               tensors: Iterable[tuple[str, torch.Tensor]] | None = None, compile_kernels: bool = False,
+               gemv: bool = True) -> DecoderModel:
     """Build the model on `device` from config.json and copy the weights in (Hugging Face names; q/k/v and gate/up
     fused on the way). `tensors` defaults to the checkpoint's safetensors; a live transformers model's
-    `named_parameters()` works too (benchmarks with random weights). `compile_kernels`: see `Kernels`."""
+    `named_parameters()` works too (benchmarks with random weights). `compile_kernels`, `gemv`: see `Kernels`."""
     from transformers import AutoConfig
 
     path = Path(path)
     args = ModelArgs.from_checkpoint(path)
     fp8 = Fp8Scheme.from_config(json.loads((path / "config.json").read_text()).get("quantization_config"))
     with torch.device("meta"):
-        model = DecoderModel(args, Kernels.compiled() if compile_kernels else None, fp8)
+        model = DecoderModel(args, Kernels.compiled(gemv) if compile_kernels else Kernels(gemv), fp8)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     for name, param in params.items():  # FP8 weights and their fp32 scales keep their types

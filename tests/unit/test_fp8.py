@@ -10,7 +10,6 @@ import torch
 from backends.llm.fp8 import (
     FP8,
     FP8_MAX,
-    GEMV_MAX_ROWS,
     Fp8Linear,
     Fp8Scheme,
     quantize,
@@ -59,35 +58,28 @@ def test_fp8_linear_computes_the_product_of_its_quantized_operands(static):
     assert ((out - exact).abs() <= 0.1 * exact.abs().mean()).float().mean() > 0.95
 
 
-def gemv_kernel():
-    from backends.llm.fp8 import gemv_kernel
-
-    return gemv_kernel(torch.device("cuda", 0)) if torch.cuda.is_available() else None
-
-
-@pytest.mark.skipif(gemv_kernel() is None, reason="needs Triton and an FP8 GPU (perf/gpu_bench.sh runs it)")
-@pytest.mark.parametrize("rows,static,bias", [(1, False, False), (1, True, True), (3, False, True), (2, True, False)])
-def test_triton_gemv_computes_fp8_linears_product(rows, static, bias):
-    """The decode-size kernel against the fallback's arithmetic (float product of the quantized operands), on
-    shapes that do not divide its blocks."""
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an FP8 GPU (perf/gpu_bench.sh runs it)")
+@pytest.mark.parametrize("rows,static,bias,shape", [(1, False, False, (336, 1024)), (3, True, True, (336, 1024)),
+                                                    (64, False, True, (336, 1024)), (2, True, False, (333, 1000))])
+def test_fp8_linear_on_the_gpu_computes_its_quantized_operands_product(rows, static, bias, shape):
+    """cuBLAS' FP8 GEMM (both dimensions multiples of 16) and the fallback, against the float product of the
+    quantized operands. (One-token steps run gemv.py instead: tests/unit/test_gemv.py.)"""
     torch.manual_seed(rows)
-    layer = Fp8Linear(1000, 333, bias=bias, static_input=static).cuda()
-    layer.weight.data, layer.weight_scale.data = quantize_weight(torch.randn(333, 1000, device="cuda"))
-    x = (torch.randn(rows, 1000, device="cuda") * torch.logspace(-2, 1, rows, device="cuda")[:, None]).bfloat16()
+    n, k = shape
+    layer = Fp8Linear(k, n, bias=bias, static_input=static).cuda()
+    layer.weight.data, layer.weight_scale.data = quantize_weight(torch.randn(n, k, device="cuda"))
+    x = (torch.randn(rows, k, device="cuda") * torch.logspace(-2, 1, rows, device="cuda")[:, None]).bfloat16()
     if bias:
-        layer.bias.data = torch.randn(333, device="cuda")
+        layer.bias.data = torch.randn(n, device="cuda")
     if static:
         layer.input_scale.data = x.abs().amax().float() / FP8_MAX
     x_scale = layer.input_scale.expand(rows, 1) if static else token_scales(x)
     expected = (quantize(x, x_scale).double() * x_scale) @ (layer.weight.double() * layer.weight_scale).t()
     expected += layer.bias.double() if bias else 0
-    out = gemv_kernel()(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+    out = layer(x)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().mean().item())
-    if rows <= GEMV_MAX_ROWS:  # the layer runs the kernel
-        assert torch.equal(layer(x), out)
-    else:  # cuBLAS' FP8 GEMM, the same product
-        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().mean().item())
 
 
 def test_scheme_reads_and_writes_compressed_tensors_configs():
@@ -245,7 +237,9 @@ def test_fp8_kv_cache_stores_e4m3_at_the_calibrated_scales(tmp_path, monkeypatch
     ids = [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3, 1, 19, 23, 8]  # two KV blocks
     expected = sequence_logits(float_kv, ids)
     monkeypatch.setattr(model_module, "write_kv", real_write_kv)
-    torch.testing.assert_close(sequence_logits(fp8_kv, ids), expected, rtol=1e-4, atol=1e-4)
+    # the FP8 cache folds its scales into q and the output instead of dequantizing: fp32 rounding in another order
+    # (1.6e-4 on one logit of 5778 on this project's CPUs); a wrong scale or rounding is off by orders more
+    torch.testing.assert_close(sequence_logits(fp8_kv, ids), expected, rtol=1e-3, atol=1e-3)
 
 
 def test_an_fp8_kv_cache_holds_more_tokens_in_the_same_memory(tmp_path):

@@ -116,3 +116,36 @@ def test_mismatched_operands_are_refused():
         gemv(x, w, None)
     with pytest.raises(ValueError, match="gemv"):
         gemv(x[:, :32], w, scale)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8, tmp_path, monkeypatch):
+    """The engine with its one-token steps routed through the kernel (norms, SiLU * up and residuals fused; the LM
+    head too) decodes what the unfused model decodes, in fp32: on the CPU in the interpreter, on a GPU inside the
+    decode CUDA graphs."""
+    from backends.llm import gemv as gemv_module
+    from backends.llm import model
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+    from build_engines.checkpoints import tiny_checkpoint
+    from build_engines.quantize import write_fp8_checkpoint
+    from tests.conftest import ROOT
+
+    checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    if fp8:
+        write_fp8_checkpoint(checkpoint, tmp_path / "fp8")
+        checkpoint = tmp_path / "fp8"
+    prompts = ["a photo of the cat", "x"]
+
+    def decode() -> list[list[int]]:
+        engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device=DEVICE, kv_cache_memory_mb=8))
+        return [engine.generate([p], SamplingParams(max_tokens=12))[0].output_ids for p in prompts]
+
+    unfused = decode()
+    calls = []
+    monkeypatch.setattr(model, "GEMV_DTYPES", (torch.float32,))
+    monkeypatch.setattr(model, "gemv_runs_on", lambda device, fp8: True)
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(kw) or gemv(*a, **kw))
+    assert decode() == unfused
+    assert {kw["silu"] for kw in calls} == {True, False} and any(kw["norm"] for kw in calls)
+    assert any(kw["residual"] is not None for kw in calls)

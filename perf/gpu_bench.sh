@@ -14,8 +14,10 @@
 #   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
 #   "attention": the paged decode kernel's tests, and the engine on Llama-3-8B shapes in bf16 and FP8 with decode
 #   attention by the paged kernel and by gather + SDPA, one run (perf.llm_engine --variants);
-#   "gemv": the GEMV kernel's tests on the GPU, then its block configurations swept on Llama-3-8B's projections in
-#   bf16 and FP8 beside cuBLAS and the earlier FP8 kernel (perf.gemv_sweep);
+#   "gemv": the GEMV kernels' and the FP8 and paged-decode tests on the GPU, then the GEMV block configurations swept
+#   on Llama-3-8B's projections in bf16 and FP8 beside cuBLAS (perf.gemv_sweep);
+#   "linear": the engine on Llama-3-8B shapes in bf16 and FP8 with one-token linear layers by the GEMV kernels and by
+#   cuBLAS, one run (perf.llm_engine --variants);
 #   "prefill": the engine's tests on the GPU, then chunked prefill and prefix caching on Llama-3-8B shapes
 #   (perf.llm_prefill))
 set -euo pipefail
@@ -120,8 +122,14 @@ if [[ " ${SCENARIOS:-images} " == *" attention "* ]]; then
     --scenario llm-engine-attention --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" gemv "* ]]; then
-  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_gemv.py
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_gemv.py tests/unit/test_fp8.py tests/unit/test_paged_decode.py \
+    -k "not llm_compressor"  # (that checkpoint is made by `make fp8-reference`; it does not travel)
   "$py" -m perf.gemv_sweep --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" linear "* ]]; then
+  "$py" -m perf.llm_engine --random-init llama-3-8b \
+    --variants bf16:paged:library,bf16:paged:gemv,fp8:paged:library,fp8:paged:gemv \
+    --scenario llm-engine-gemv --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" prefill "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py tests/unit/test_prefix_cache.py \

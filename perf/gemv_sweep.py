@@ -16,7 +16,6 @@ import concurrent.futures
 import csv
 import multiprocessing
 import socket
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from backends.llm.fp8 import quantize_tokens
 from backends.llm.gemv import _WORKSPACE, FP8, GemvConfig, gemv
+from perf.fp8_layers import graph_time_us as graph_time_us_with_input
 from perf.report import hardware_line, stem, write_table
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
@@ -78,27 +78,9 @@ def _compile(job: tuple[str, bool, list[GemvConfig]]) -> int:
     return len(configs)
 
 
-def graph_time_us(fn, copies: list, replays: int = 20) -> float:
-    """Median time of one fn(copy) call, from replays of a graph that calls it once per copy."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in copies[:2]:
-            fn(c)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in copies:
-            fn(c)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(copies))
-    return statistics.median(times)
+def graph_time_us(fn, copies: list) -> float:
+    """perf.fp8_layers' graph timing of fn(copy), the input held by fn."""
+    return graph_time_us_with_input(lambda copy, _: fn(copy), copies, None)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

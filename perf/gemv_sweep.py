@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import csv
+import itertools
 import multiprocessing
 import socket
 import sys
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.llm.fp8 import quantize_tokens
-from backends.llm.gemv import _WORKSPACE, FP8, GemvConfig, gemv
+from backends.llm.gemv import _WORKSPACE, FP8, GemvConfig, default_config, gemv
 from perf.fp8_layers import graph_time_us as graph_time_us_with_input
 from perf.report import hardware_line, stem, write_table
 
@@ -36,7 +37,7 @@ SMS = 132
 
 
 def candidates(n: int, k: int, fp8: bool) -> list[GemvConfig]:
-    """The grid, bounded to tiles of 2-32 KB, 8-64 elements per thread, a few waves of programs, and K spans that
+    """The grid (FP8: with the weights decoded by conversions and by bit moves), bounded to tiles of 2-32 KB, 8-64 elements per thread, a few waves of programs, and K spans that
     the blocks divide (no masks)."""
     size = 1 if fp8 else 2
     out = []
@@ -44,14 +45,23 @@ def candidates(n: int, k: int, fp8: bool) -> list[GemvConfig]:
         for block_k in (512, 1024, 2048, 4096):
             for split_k in (1, 2, 4):
                 for warps in (4, 8):
-                    for unroll in (1, 2):
+                    for unroll, bits in itertools.product((1, 2), (False, True) if fp8 else (False,)):
                         tile, per_thread = block_n * block_k * size, block_n * block_k // (32 * warps)
                         programs = -(-n // block_n) * split_k
                         iters, rest = divmod(k, block_k * split_k)
                         if (2048 <= tile <= 32768 and 8 <= per_thread <= 64 and SMS <= programs <= 256 * SMS
                                 and rest == 0 and iters % unroll == 0):
-                            out.append(GemvConfig(block_n, block_k, split_k, warps, unroll))
+                            out.append(GemvConfig(block_n, block_k, split_k, warps, unroll, bits))
     return out
+
+
+def label(c: GemvConfig) -> str:
+    return f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}{'/bits' if c.bits else ''}"
+
+
+def with_default(configs: list[GemvConfig], name: str, fp8: bool) -> list[GemvConfig]:
+    default = default_config(*SHAPES[name], fp8)
+    return configs if default in configs else [*configs, default]
 
 
 def weights(n: int, k: int, fp8: bool, count: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -106,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("perf.gemv_sweep needs a GPU", file=sys.stderr)
         return 1
-    jobs = [(name, dtype == "fp8", candidates(*SHAPES[name], dtype == "fp8")) for name in args.layers
-            for dtype in args.dtypes if not (dtype == "fp8" and name in BF16_ONLY)]
+    jobs = [(name, dtype == "fp8", with_default(candidates(*SHAPES[name], dtype == "fp8"), name, dtype == "fp8"))
+            for name in args.layers for dtype in args.dtypes if not (dtype == "fp8" and name in BF16_ONLY)]
     chunked = [(name, fp8, configs[i::args.workers]) for name, fp8, configs in jobs for i in range(args.workers)]
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         print(f"compiled {sum(pool.map(_compile, [j for j in chunked if j[2]]))} kernels", flush=True)
@@ -131,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         timed = []
         for c in configs:
             e = error(gemv(x, *copies[0], config=c), ref)
-            row = [name, "fp8" if fp8 else "bf16", c.block_n, c.block_k, c.split_k, c.warps, c.unroll]
+            row = [name, "fp8" if fp8 else "bf16", c.block_n, c.block_k, c.split_k, c.warps, c.unroll, int(c.bits)]
             if not e < 1e-2:  # recorded, left out of the ranking; fresh split-K counters for the next one
                 print(f"{name} {row[1]} {c}: relative error {e:.2e}", flush=True)
                 all_rows.append(row + ["wrong", f"{e:.2e}"])
@@ -140,23 +150,26 @@ def main(argv: list[str] | None = None) -> int:
             us = graph_time_us(lambda w: gemv(x, *w, config=c), copies)
             timed.append((us, c))
             all_rows.append(row + [f"{us:.2f}", f"{n * k * size / us / 1e3:.0f}"])
+        default_us = next(t for t, c in timed if c == default_config(n, k, fp8))
         timed.sort(key=lambda t: t[0])
         us, c = timed[0]
         fused = fused_time_us(name, x, copies, c)
         best_rows.append([name, f"{n}x{k}", "fp8" if fp8 else "bf16", len(configs),
-                          f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}", f"{us:.1f}",
-                          f"{n * k * size / us / 1e3:.0f}", baseline_name, f"{base_us:.1f}",
+                          label(c), f"{us:.1f}",
+                          f"{n * k * size / us / 1e3:.0f}", f"{default_us:.1f}", baseline_name, f"{base_us:.1f}",
                           f"{n * k * size / base_us / 1e3:.0f}", f"{base_us / us:.2f}", FUSED[name], f"{fused:.1f}",
-                          ", ".join(f"{b.block_n}/{b.block_k}/{b.split_k}/{b.warps}/{b.unroll} {t:.1f}"
+                          ", ".join(f"{label(b)} {t:.1f}"
                                     for t, b in timed[1:4])])
         print(*best_rows[-1], sep=" | ", flush=True)
         del copies
         torch.cuda.empty_cache()
-    base = stem(args.results / args.host, "gemv-sweep")
+    base = stem(args.results / args.host, "gemv-sweep-configs")
     with base.with_suffix(".csv").open("w", newline="") as f:
-        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "us", "GB/s"],
+        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "bits", "us",
+                                  "GB/s"],
                                  *all_rows])
-    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll. Times: median of 20 replays of a CUDA graph calling the "
+    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll, /bits: E4M3 weights decoded by bit moves (gemv._decode_e4m3)"
+             " instead of conversion instructions. Times: median of 20 replays of a CUDA graph calling the "
              "kernel once per weight copy (>= 256 MiB, so L2 holds none), per call; GB/s: weight bytes per second. "
              "Every configuration checked against the float64 product (relative error < 1e-2) before timing.",
              "fp8: E4M3 weights with per-channel scales, the input quantized per token first (gemv.prepare, one small "
@@ -166,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
              "fused: the best configuration with the neighbours the decode step folds in: the RMSNorm or SiLU(gate) * up"
              " before (in gemv.prepare, with the FP8 quantization) and the residual add after (as the output is "
              "written); the unfused step runs each of those as its own kernel.",
+             "default us: the configuration the engine takes (gemv.default_config).",
              f"All configurations: {base.name}.csv. Command: `python -m perf.gemv_sweep`."]
     path = write_table(args.results / args.host, "gemv-sweep",
-                       ["layer", "N x K", "weights", "configs tried", "best config", "us", "GB/s", "baseline",
+                       ["layer", "N x K", "weights", "configs tried", "best config", "us", "GB/s", "default us",
+                        "baseline",
                         "baseline us", "baseline GB/s", "baseline / best", "fused with", "fused us",
                         "next best (us)"], best_rows, hardware_line("n/a (in-process)"), notes)
     print(path.read_text())

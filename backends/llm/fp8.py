@@ -136,7 +136,8 @@ class Fp8Linear(nn.Module):
         if scaled_mm_available(x.device) and x.dtype == torch.bfloat16 and self.in_features % 16 == 0 == \
                 self.out_features % 16:  # cuBLAS' FP8 GEMM wants both dimensions in multiples of 16
             return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale.contiguous(),
-                                    scale_b=self.weight_scale.view(1, -1), bias=self.bias, out_dtype=x.dtype)
+                                    scale_b=self.weight_scale.view(1, -1), out_dtype=x.dtype,
+                                    bias=None if self.bias is None else self.bias.to(x.dtype))  # cuBLAS: bf16 only
         out = (xq.float() * x_scale) @ (self.weight.float() * self.weight_scale).t()
         if self.bias is not None:
             out = out + self.bias.float()

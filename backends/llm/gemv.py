@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
+MAX_K = 32768  # the longest input row `prepare` takes (one program holds it in registers)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class GemvConfig:
     split_k: int
     warps: int
     unroll: int = 1
+    bits: bool = False  # FP8: decode E4M3 weights with integer bit moves (see _decode_e4m3), not conversions
 
 
 @triton.jit
@@ -42,10 +44,22 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _decode_e4m3(byte):
+    """E4M3 bytes -> fp32 values 2^-120 times theirs, by placing sign, exponent and mantissa bits into an fp32 word:
+    integer instructions at full rate instead of the conversions fp8 -> f16 -> f32, which run at a fraction of it.
+    E4M3 subnormals become fp32 subnormals, so the scale holds for every value, and the product with an E4M3 input
+    (8 significant bits, no smaller than 2^-138) is exact as before."""
+    b = byte.to(tl.uint32)
+    return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N,
-            FP8: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+            FP8: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
     in_n = cols < N
     if FP8:
+        if BITS:
+            acc = acc * 1.329227995784916e36  # 2^120: undoes _decode_e4m3's scale, exactly
         acc = acc * x_scale * tl.load(w_scale_ptr + cols, mask=in_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=in_n, other=0.0).to(tl.float32)
@@ -59,49 +73,37 @@ def _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N,
 @triton.jit
 def _prepare_kernel(x_ptr, out_ptr, scale_ptr, norm_ptr, eps, K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
                     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row: out = f(x) (RMSNorm(x) * weight, or SiLU(gate) * up of a [gate | up] row), rounded to
-    the activations' dtype after each step as the unfused ops do; with QUANTIZE, out / scale rounded to E4M3 and the
-    scale (the row's absolute maximum / 448, or the static one) in scale_ptr[row]."""
+    """One program per row, the whole row in registers (BLOCK >= K), read and written once: out = f(x) (RMSNorm(x) *
+    weight, or SiLU(gate) * up of a [gate | up] row), rounded to the activations' dtype after each step as the
+    unfused ops do; with QUANTIZE, out / scale rounded to E4M3 and the scale (the row's absolute maximum / 448, or the
+    static one) in scale_ptr[row]. (A loop over K tiles made the row's loads wait on each other: 7.8 us for SiLU * up
+    at K = 14336 on the H200.)"""
     row = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
-    x_row, out_row = x_ptr + row * (2 * K if SILU else K), out_ptr + row * K
     offs = tl.arange(0, BLOCK)
-    r = 1.0
+    mask = offs < K
+    x_row = x_ptr + row * (2 * K if SILU else K)
+    y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        up = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * up
     if NORM:
-        squares = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, K, BLOCK):
-            v = tl.load(x_row + start + offs, mask=start + offs < K, other=0.0).to(tl.float32)
-            squares += v * v
-        r = tl.rsqrt(tl.sum(squares) / K + eps)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, K, BLOCK):
-        mask = start + offs < K
-        y = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-        if SILU:
-            u = tl.load(x_row + K + start + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * u
-        if NORM:
-            w = tl.load(norm_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (y * r).to(dtype).to(tl.float32) * w
-        y = y.to(dtype)
-        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-        tl.store(out_row + start + offs, y, mask=mask)
+        r = tl.rsqrt(tl.sum(y * y) / K + eps)
+        y = (y * r).to(dtype).to(tl.float32) * tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(dtype).to(tl.float32)
     if QUANTIZE:
         if STATIC:
             scale = tl.load(scale_ptr)
         else:
-            scale = tl.maximum(tl.max(amax) / 448.0, 1e-12)
+            scale = tl.maximum(tl.max(tl.abs(y)) / 448.0, 1e-12)
             tl.store(scale_ptr + row, scale)
-        tl.debug_barrier()  # this program's stores above are read back below
-        for start in range(0, K, BLOCK):
-            mask = start + offs < K
-            y = tl.load(out_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_row + start + offs, _round_e4m3(tl.clamp(y / scale, -448.0, 448.0)).to(dtype), mask=mask)
+        y = _round_e4m3(tl.clamp(y / scale, -448.0, 448.0))
+    tl.store(out_ptr + row * K + offs, y.to(dtype), mask=mask)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_ptr, partial_ptr, lock_ptr, N,
-                 K: tl.constexpr, FP8: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 K: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
                  RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr):
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -119,12 +121,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
         else:
             x = tl.load(x_row + offs, mask=offs < K, other=0.0)
             w = tl.load(w_rows + offs[None, :], mask=(cols[:, None] < N) & (offs[None, :] < K), other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        w = _decode_e4m3(w) if BITS else w.to(tl.float32)
+        acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
     x_scale = 1.0
     if FP8:
         x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
     if SPLIT_K == 1:
-        _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
+        _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, BITS, HAS_BIAS, RESIDUAL)
     else:
         partials = partial_ptr + row * SPLIT_K * N + cols
         tl.store(partials + pid_k * N, acc, mask=cols < N)
@@ -135,7 +138,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partials + s * N, mask=cols < N, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock, 0)  # ready for the next call
-            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
+            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, BITS, HAS_BIAS, RESIDUAL)
 
 
 class _Workspace:
@@ -158,10 +161,15 @@ _WORKSPACE = _Workspace()
 
 
 def default_config(n: int, k: int, fp8: bool) -> GemvConfig:
-    """A config for weight [n, k] from perf.gemv_sweep on the H200 (Llama-3-8B's projections): tiles of 8-16 KB,
-    a few output features per program, no split-K."""
-    return GemvConfig(block_n=4, block_k=2048, split_k=1, warps=4) if not fp8 else \
-        GemvConfig(block_n=8, block_k=2048, split_k=1, warps=8)
+    """A config for weight [n, k] from perf.gemv_sweep on the H200 (Llama-3-8B's projections, 2026-12-02): K tiles
+    of 2048, no split-K, the loop unrolled twice where the tile count is even; four output features per program for
+    FP8 weights and long bf16 rows, two for the other bf16 ones. Within 3% of the best configuration swept for each
+    projection (2026-12-02-gemv-sweep.md, column "default us")."""
+    block_k = min(2048, triton.next_power_of_2(k))
+    unroll = 2 if triton.cdiv(k, block_k) % 2 == 0 else 1
+    if fp8 or k > 8192:
+        return GemvConfig(block_n=4, block_k=block_k, split_k=1, warps=4, unroll=unroll)
+    return GemvConfig(block_n=2, block_k=block_k, split_k=1, warps=8, unroll=unroll)
 
 
 def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
@@ -173,10 +181,13 @@ def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, sil
     out = torch.empty(m, k, dtype=x.dtype, device=x.device)
     scale = input_scale if input_scale is not None or not quantize else torch.empty(m, dtype=torch.float32,
                                                                                     device=x.device)
+    if k > MAX_K:
+        raise ValueError(f"gemv.prepare: rows of {k} > {MAX_K} do not fit one program's registers")
+    block = triton.next_power_of_2(k)
     _prepare_kernel[(m,)](x.contiguous(), out, scale if scale is not None else out,
                           norm[0] if norm is not None else out, norm[1] if norm is not None else 0.0, K=k,
                           NORM=norm is not None, SILU=silu, QUANTIZE=quantize, STATIC=input_scale is not None,
-                          BLOCK=1024, num_warps=8)
+                          BLOCK=block, num_warps=min(16, max(4, block // 1024)))
     return out, scale
 
 
@@ -204,9 +215,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     locks, partials = _WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
     _gemv_kernel[(blocks, split_k, m)](
-        x, weight, out, weight_scale if fp8 else out, x_scale if x_scale is not None else out,
+        x, weight.view(torch.uint8) if fp8 and c.bits else weight, out, weight_scale if fp8 else out, x_scale if x_scale is not None else out,
         bias if bias is not None else out, residual.contiguous() if residual is not None else out, partials, locks,
-        n, K=k, FP8=fp8, STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        n, K=k, FP8=fp8, BITS=fp8 and c.bits, STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         SPLIT_K=split_k, ITERS=iters, UNROLL=c.unroll, num_warps=c.warps)
     return out

@@ -75,11 +75,15 @@ def gemv_operands(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> tuple
     one-token steps of plain or FP8 linear layers, on a GPU with Triton (FP8 from compute capability 8.9)."""
     if not kernels.gemv or x.shape[0] > GEMV_MAX_ROWS or x.dtype not in GEMV_DTYPES:
         return None
-    if type(linear) is nn.Linear and gemv_runs_on(x.device, fp8=False):
-        return linear.weight, None, None, linear.bias
-    if isinstance(linear, Fp8Linear) and gemv_runs_on(x.device, fp8=True):
-        return linear.weight, linear.weight_scale, linear.input_scale, linear.bias
-    return None
+    fp8 = isinstance(linear, Fp8Linear)
+    if not (fp8 or type(linear) is nn.Linear) or not gemv_runs_on(x.device, fp8):
+        return None
+    from backends.llm.gemv import MAX_K
+
+    if linear.in_features > MAX_K:
+        return None
+    return (linear.weight, linear.weight_scale, linear.input_scale, linear.bias) if fp8 else \
+        (linear.weight, None, None, linear.bias)
 
 
 @functools.cache

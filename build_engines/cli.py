@@ -59,14 +59,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"default per family: {DEFAULT_RUNTIME}")
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32",
                         help="fp8 (llm only): E4M3 weights per channel, activations per token, the rest in bf16")
-    parser.add_argument("--fp8-activations", choices=["token", "tensor"], default="token",
-                        help="with --precision fp8: scale activations per token at run time, or with one calibrated "
-                        "scale per projection (needs --calibration)")
+    parser.add_argument("--fp8-activations", choices=["token", "tensor", "none"], default="token",
+                        help="with --precision fp8: scale activations per token at run time, with one calibrated "
+                        "scale per projection (needs --calibration), or leave them in bf16 (FP8 weights only)")
+    parser.add_argument("--fp8-rounding", choices=["nearest", "gptq"], default="nearest",
+                        help="with --precision fp8: each weight to its nearest E4M3 value, or GPTQ's error-compensating "
+                        "rounding over the --calibration prompts (same scales and format, lower error)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="with --precision fp8: fp8 stores keys and values in E4M3 with calibrated per-layer "
                         "scales (needs --calibration; twice the tokens in the same KV memory)")
     parser.add_argument("--calibration", type=Path, help="with --precision fp8: a text file of prompts (one per "
-                        "line) for the static scales of --fp8-activations tensor and --kv-cache-dtype fp8")
+                        "line) for the static scales of --fp8-activations tensor and --kv-cache-dtype fp8 and for "
+                        "--fp8-rounding gptq")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--name", help="model name (default: the family's), e.g. a second llm from another checkpoint")
     parser.add_argument("--max-batch-size", type=int, default=64)
@@ -90,12 +94,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--random-init {args.random_init} is a {RANDOM_INIT[args.random_init][0]} model, not {args.model}")
     if args.precision == "fp8" and args.model != "llm":
         parser.error("--precision fp8 is for llm (its engine has FP8 linear layers)")
-    calibrated = args.fp8_activations == "tensor" or args.kv_cache_dtype == "fp8"
-    if calibrated and args.precision != "fp8":
-        parser.error("--fp8-activations tensor and --kv-cache-dtype fp8 need --precision fp8")
+    calibrated = args.fp8_activations == "tensor" or args.kv_cache_dtype == "fp8" or args.fp8_rounding == "gptq"
+    fp8_options = args.fp8_activations != "token" or args.kv_cache_dtype == "fp8" or args.fp8_rounding == "gptq"
+    if fp8_options and args.precision != "fp8":
+        parser.error("--fp8-activations, --fp8-rounding and --kv-cache-dtype fp8 need --precision fp8")
     if calibrated != bool(args.calibration):
-        parser.error("--calibration (prompts for static scales) goes with --fp8-activations tensor or "
-                     "--kv-cache-dtype fp8, and they need it")
+        parser.error("--calibration (prompts) goes with --fp8-activations tensor, --kv-cache-dtype fp8 or "
+                     "--fp8-rounding gptq, and they need it")
     if args.calibration and not args.calibration.is_file():
         parser.error(f"--calibration {args.calibration}: no such text file")
     if args.pretrained and PRETRAINED[args.pretrained].family != args.model:
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = BuildOptions(checkpoint, args.runtime or DEFAULT_RUNTIME[family], args.precision, args.repository,
                             args.max_batch_size, args.max_queue_delay_us, args.instances, args.device,
                             args.execution_env, args.prepare_threads, args.force, args.name, args.overrides,
-                            args.calibration, args.fp8_activations, args.kv_cache_dtype)
+                            args.calibration, args.fp8_activations, args.kv_cache_dtype, args.fp8_rounding)
         try:
             FAMILIES[family](opts)
         except (RuntimeError, ValueError) as exc:  # unavailable runtime, failed verification, bad parameter: one line

@@ -52,8 +52,9 @@ class BuildOptions:
     name: str | None = None  # the model's name when it is not the family's default (a second checkpoint)
     overrides: dict[str, str] = field(default_factory=dict)  # backend parameters set on the command line
     calibration: Path | None = None  # fp8: text file, one prompt per line, for the static scales below
-    fp8_activations: str = "token"  # fp8: "token" (dynamic) or "tensor" (static, calibrated)
+    fp8_activations: str = "token"  # fp8: "token" (dynamic), "tensor" (static, calibrated) or "none" (weights only)
     kv_cache_dtype: str = "auto"  # fp8: "fp8" stores the KV cache in E4M3 (calibrated scales)
+    fp8_rounding: str = "nearest"  # fp8: "gptq" rounds the weights with error feedback over the calibration prompts
 
     def model_name(self, default: str) -> str:
         return self.name or default

@@ -40,11 +40,14 @@ def build_llm(opts: BuildOptions) -> None:
     version_dir = opts.repository / name / "1"
     if fp8:
         scheme = Fp8Scheme("channel", opts.fp8_activations, kv_cache=opts.kv_cache_dtype == "fp8")
-        scales = calibration_scales(opts.checkpoint, opts.calibration) if opts.calibration else None
-        with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights, "
-                           f"{'per-token' if scheme.activations == 'token' else 'calibrated static'} activations"
+        prompts = calibration_prompts(opts.checkpoint, opts.calibration) if opts.calibration else None
+        scales = calibrate(opts.checkpoint, prompts) if scheme.calibrated else None
+        activations = {"token": "per-token", "tensor": "calibrated static", "none": "bf16"}[scheme.activations]
+        with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights rounded "
+                           f"{'by GPTQ' if opts.fp8_rounding == 'gptq' else 'to nearest'}, {activations} activations"
                            f"{', FP8 KV cache' if scheme.kv_cache else ''})"):
-            write_fp8_checkpoint(opts.checkpoint, version_dir, scheme, scales)
+            write_fp8_checkpoint(opts.checkpoint, version_dir, scheme, scales,
+                                 prompts if opts.fp8_rounding == "gptq" else None)
     else:
         place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
     with progress.step("writing config.pbtxt"):
@@ -53,15 +56,15 @@ def build_llm(opts: BuildOptions) -> None:
                               fingerprint=opts.fingerprint(name), checkpoint=str(opts.checkpoint.resolve()))
 
 
-def calibration_scales(checkpoint: Path, prompts_file: Path) -> dict[str, float]:
-    """Static scales from the prompts of a text file (one per line), as the checkpoint's tokenizer reads them."""
+def calibration_prompts(checkpoint: Path, prompts_file: Path) -> list[list[int]]:
+    """The prompts of a text file (one per line) as the checkpoint's tokenizer reads them."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = [line for line in prompts_file.read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"{prompts_file}: no prompts to calibrate with")
-    return calibrate(checkpoint, [tokenizer(p)["input_ids"] for p in prompts])
+    return [tokenizer(p)["input_ids"] for p in prompts]
 
 
 def generation_config(opts: BuildOptions, name: str, backend: str, extra_inputs: list[Tensor],

@@ -78,10 +78,11 @@ def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Sc
 
 
 def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(),
-                         scales: dict[str, float] | None = None) -> None:
+                         scales: dict[str, float] | None = None, gptq_prompts: list[list[int]] | None = None) -> None:
     """`out` gets the quantized safetensors, config.json with the quantization_config, and every other file of
     `source` (tokenizer, chat template, generation config). Static activations (scheme.activations "tensor") and an
-    FP8 KV cache take their scales from `scales` (see `calibrate`)."""
+    FP8 KV cache take their scales from `scales` (see `calibrate`). With `gptq_prompts` (token ids), the weights are
+    rounded by build_engines/gptq.py instead of each to its nearest E4M3 value (same scales, same format)."""
     from safetensors.torch import save_file
 
     if scheme.calibrated != (scales is not None):
@@ -92,6 +93,14 @@ def write_fp8_checkpoint(source: Path, out: Path, scheme: Fp8Scheme = Fp8Scheme(
         stale.unlink()
     tensors = dict(quantized_tensors(checkpoint_tensors(source), scheme, scales))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if gptq_prompts:
+        from build_engines.gptq import gptq_weights
+
+        rounded = gptq_weights(out, source, gptq_prompts)  # Hessians from the nearest-rounded model written above
+        if unknown := sorted(set(rounded) - set(tensors)):
+            raise ValueError(f"{source}: GPTQ produced weights the checkpoint does not name: {unknown[:3]}")
+        tensors.update(rounded)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def write_fp8_metadata(source: Path, out: Path, scheme: Fp8Scheme) -> None:

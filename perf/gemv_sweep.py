@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import csv
+import dataclasses
 import itertools
 import multiprocessing
 import socket
@@ -37,8 +38,8 @@ SMS = 132
 
 
 def candidates(n: int, k: int, fp8: bool) -> list[GemvConfig]:
-    """The grid (FP8: with the weights decoded by conversions and by bit moves), bounded to tiles of 2-32 KB, 8-64 elements per thread, a few waves of programs, and K spans that
-    the blocks divide (no masks)."""
+    """The grid (FP8: with the weights decoded by conversions and by bit moves), bounded to tiles of 2-32 KB, 8-64
+    elements per thread, a few waves of programs, and K spans that the blocks divide (no masks)."""
     size = 1 if fp8 else 2
     out = []
     for block_n in (2, 4, 8, 16):
@@ -150,13 +151,16 @@ def main(argv: list[str] | None = None) -> int:
             us = graph_time_us(lambda w: gemv(x, *w, config=c), copies)
             timed.append((us, c))
             all_rows.append(row + [f"{us:.2f}", f"{n * k * size / us / 1e3:.0f}"])
-        default_us = next(t for t, c in timed if c == default_config(n, k, fp8))
+        default = default_config(n, k, fp8)
+        default_us = next(t for t, c in timed if c == default)
+        plain_us = graph_time_us(lambda w: gemv(x, *w, config=dataclasses.replace(default, pdl=False)), copies)
         timed.sort(key=lambda t: t[0])
         us, c = timed[0]
         fused = fused_time_us(name, x, copies, c)
         best_rows.append([name, f"{n}x{k}", "fp8" if fp8 else "bf16", len(configs),
                           label(c), f"{us:.1f}",
-                          f"{n * k * size / us / 1e3:.0f}", f"{default_us:.1f}", baseline_name, f"{base_us:.1f}",
+                          f"{n * k * size / us / 1e3:.0f}", f"{default_us:.1f}", f"{plain_us:.1f}",
+                          baseline_name, f"{base_us:.1f}",
                           f"{n * k * size / base_us / 1e3:.0f}", f"{base_us / us:.2f}", FUSED[name], f"{fused:.1f}",
                           ", ".join(f"{label(b)} {t:.1f}"
                                     for t, b in timed[1:4])])
@@ -168,21 +172,23 @@ def main(argv: list[str] | None = None) -> int:
         csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "bits", "us",
                                   "GB/s"],
                                  *all_rows])
-    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll, /bits: E4M3 weights decoded by bit moves (gemv._decode_e4m3)"
-             " instead of conversion instructions. Times: median of 20 replays of a CUDA graph calling the "
-             "kernel once per weight copy (>= 256 MiB, so L2 holds none), per call; GB/s: weight bytes per second. "
+    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll, /bits: E4M3 weights decoded by bit moves "
+             "(gemv._decode_e4m3) instead of conversion instructions; every one launched with PDL where the GPU has "
+             "it (gemv.pdl_runs_on). Times: median of 20 replays of a CUDA graph calling the kernel once per weight "
+             "copy (>= 256 MiB, so L2 holds none), per call; GB/s: weight bytes per second. "
              "Every configuration checked against the float64 product (relative error < 1e-2) before timing.",
              "fp8: E4M3 weights with per-channel scales, the input quantized per token first (gemv.prepare, one small "
              "kernel, included in the time, as the engine runs it); its baseline, cuBLAS' FP8 GEMM, includes its "
              "quantization kernel too. (The engine's FP8 kernel before, fp8_gemv.py, quantized inside every program: "
              "qkv 12.4, o 11.1, gate_up 43.2, down 35.8 us in 2026-12-02-gemv-sweep-in-kernel-prologue.md.)",
-             "fused: the best configuration with the neighbours the decode step folds in: the RMSNorm or SiLU(gate) * up"
-             " before (in gemv.prepare, with the FP8 quantization) and the residual add after (as the output is "
+             "fused: the best configuration with the neighbours the decode step folds in: the RMSNorm or SiLU(gate) * "
+             "up before (in gemv.prepare, with the FP8 quantization) and the residual add after (as the output is "
              "written); the unfused step runs each of those as its own kernel.",
-             "default us: the configuration the engine takes (gemv.default_config).",
+             "default us: the configuration the engine takes (gemv.default_config); no PDL: the same launched plainly.",
              f"All configurations: {base.name}.csv. Command: `python -m perf.gemv_sweep`."]
     path = write_table(args.results / args.host, "gemv-sweep",
                        ["layer", "N x K", "weights", "configs tried", "best config", "us", "GB/s", "default us",
+                        "default, no PDL us",
                         "baseline",
                         "baseline us", "baseline GB/s", "baseline / best", "fused with", "fused us",
                         "next best (us)"], best_rows, hardware_line("n/a (in-process)"), notes)

@@ -2,7 +2,8 @@
 
 Weights are stored in float8_e4m3fn with a scale per output channel (a per-tensor scale is the same thing with equal
 rows, which is also how fused q/k/v and gate/up projections keep each part's own scale); activations are quantized
-per token at run time (dynamic) or with one calibrated scale (static). On Hopper and Ada, one-token steps run the
+per token at run time (dynamic), with one calibrated scale (static), or not at all (weights only, "W8A16": the
+weights' bytes halved, the inputs kept in bf16). On Hopper and Ada, one-token steps run the
 Triton kernel of gemv.py (the model's `project` routes them) and larger ones `torch._scaled_mm`; elsewhere the same
 product is computed from the dequantized operands in fp32, so CPU tests check the arithmetic the GPU runs (up to the
 order of the fp32 accumulation).
@@ -20,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
@@ -32,7 +34,7 @@ class Fp8Scheme:
     """How a checkpoint's linear layers are quantized (compressed-tensors' names)."""
 
     weights: str = "channel"  # "channel" or "tensor"
-    activations: str = "token"  # "token" (dynamic) or "tensor" (static, calibrated input_scale)
+    activations: str = "token"  # "token" (dynamic), "tensor" (static, calibrated input_scale) or "none" (weights only)
     ignore: tuple[str, ...] = ("lm_head",)
     kv_cache: bool = False  # keys and values stored in E4M3 with a per-tensor scale per layer
 
@@ -48,11 +50,11 @@ class Fp8Scheme:
         groups = list(quantization_config["config_groups"].values())
         if len(groups) != 1:
             raise ValueError(f"{len(groups)} quantization groups; one (all Linear layers) is supported")
-        weights, inputs = groups[0]["weights"], groups[0].get("input_activations") or {}
+        weights, inputs = groups[0]["weights"], groups[0].get("input_activations")
         if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or \
                 (inputs and (inputs.get("type"), inputs.get("num_bits")) != ("float", 8)):
             raise ValueError("only 8-bit float weights and activations are supported")
-        activations = "token" if inputs.get("dynamic", True) else "tensor"
+        activations = "none" if not inputs else "token" if inputs.get("dynamic", True) else "tensor"
         ignore = tuple(quantization_config.get("ignore", ()))
         if any("lm_head" not in pattern for pattern in ignore):
             raise ValueError(f"ignore {list(ignore)}: only the LM head may stay unquantized")
@@ -79,8 +81,9 @@ class Fp8Scheme:
                     "targets": ["Linear"],
                     "weights": {"num_bits": 8, "type": "float", "strategy": self.weights, "symmetric": True,
                                 "dynamic": False},
-                    "input_activations": {"num_bits": 8, "type": "float", "strategy": self.activations,
-                                          "symmetric": True, "dynamic": self.activations == "token"}}}}
+                    "input_activations": None if self.activations == "none" else {
+                        "num_bits": 8, "type": "float", "strategy": self.activations, "symmetric": True,
+                        "dynamic": self.activations == "token"}}}}
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -118,27 +121,42 @@ def scaled_mm_available(device: torch.device) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W in E4M3 and per-row scales, x quantized per token or with a static scale."""
+    """y = x W^T (+ b) with W in E4M3 and per-row scales, x quantized per token, with a static scale, or not at all
+    (`activations` "token", "tensor", "none")."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, static_input: bool,
+    def __init__(self, in_features: int, out_features: int, bias: bool, activations: str = "token",
                  quantize_inputs=quantize_tokens):
         super().__init__()
-        self.quantize_inputs = quantize_inputs
+        self.quantize_inputs, self.activations = quantize_inputs, activations
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1), requires_grad=False)
-        self.input_scale = nn.Parameter(torch.zeros(()), requires_grad=False) if static_input else None
+        self.input_scale = nn.Parameter(torch.zeros(()), requires_grad=False) if activations == "tensor" else None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        static = None if self.input_scale is None else self.input_scale.expand(x.shape[0], 1)
-        xq, x_scale = self.quantize_inputs(x, static)
-        if scaled_mm_available(x.device) and x.dtype == torch.bfloat16 and self.in_features % 16 == 0 == \
-                self.out_features % 16:  # cuBLAS' FP8 GEMM wants both dimensions in multiples of 16
+        xq, x_scale = self.quantized_input(x)
+        if x_scale is None and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+            # weights only: E4M3 values are exact in x's dtype, so cuBLAS multiplies them as they are; scale after
+            return self.finish(F.linear(x, self.weight.to(x.dtype)).float() * self.weight_scale.view(-1), x.dtype)
+        if x_scale is not None and scaled_mm_available(x.device) and x.dtype == torch.bfloat16 and \
+                self.in_features % 16 == 0 == self.out_features % 16:  # cuBLAS' FP8 GEMM: dimensions multiples of 16
             return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale.contiguous(),
                                     scale_b=self.weight_scale.view(1, -1), out_dtype=x.dtype,
                                     bias=None if self.bias is None else self.bias.to(x.dtype))  # cuBLAS: bf16 only
-        out = (xq.float() * x_scale) @ (self.weight.float() * self.weight_scale).t()
-        if self.bias is not None:
-            out = out + self.bias.float()
-        return out.to(x.dtype)
+        return self.finish(self.computed_input(x, (xq, x_scale)) @ (self.weight.float() * self.weight_scale).t(),
+                           x.dtype)
+
+    def quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x in E4M3, its scales [T, 1]) as the scheme quantizes it, or (x, None) for weights only."""
+        if self.activations == "none":
+            return x, None
+        return self.quantize_inputs(x, None if self.input_scale is None else self.input_scale.expand(x.shape[0], 1))
+
+    def computed_input(self, x: torch.Tensor, quantized: tuple | None = None) -> torch.Tensor:
+        """x as the product sees it, in fp32 (GPTQ's Hessians are made of these): `quantized_input(x)`, scaled back."""
+        xq, x_scale = quantized or self.quantized_input(x)
+        return xq.float() if x_scale is None else xq.float() * x_scale
+
+    def finish(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (out if self.bias is None else out + self.bias.float()).to(dtype)

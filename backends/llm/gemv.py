@@ -13,11 +13,13 @@ activations' dtype (exact in bf16 and fp16), and the products are summed in fp32
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8 = torch.float8_e4m3fn
 MAX_K = 32768  # the longest input row `prepare` takes (one program holds it in registers)
@@ -31,6 +33,7 @@ class GemvConfig:
     warps: int
     unroll: int = 1
     bits: bool = False  # FP8: decode E4M3 weights with integer bit moves (see _decode_e4m3), not conversions
+    pdl: bool = True  # programmatic dependent launch after a prepare kernel, where the GPU has it (see pdl_runs_on)
 
 
 @triton.jit
@@ -72,12 +75,15 @@ def _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N,
 
 @triton.jit
 def _prepare_kernel(x_ptr, out_ptr, scale_ptr, norm_ptr, eps, K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-                    QUANTIZE: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                    QUANTIZE: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row, the whole row in registers (BLOCK >= K), read and written once: out = f(x) (RMSNorm(x) *
     weight, or SiLU(gate) * up of a [gate | up] row), rounded to the activations' dtype after each step as the
     unfused ops do; with QUANTIZE, out / scale rounded to E4M3 and the scale (the row's absolute maximum / 448, or the
     static one) in scale_ptr[row]. (A loop over K tiles made the row's loads wait on each other: 7.8 us for SiLU * up
     at K = 14336 on the H200.)"""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # the GEMV after this starts reading its weights
     row = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
@@ -102,10 +108,24 @@ def _prepare_kernel(x_ptr, out_ptr, scale_ptr, norm_ptr, eps, K: tl.constexpr, N
 
 
 @triton.jit
+def _load_weights(w_rows, offs, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:  # N and K are multiples of the blocks: no masks
+        return tl.load(w_rows + offs[None, :])
+    return tl.load(w_rows + offs[None, :], mask=(cols[:, None] < N) & (offs[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _partial_product(w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr, BITS: tl.constexpr):
+    x = tl.load(x_row + offs) if EVEN else tl.load(x_row + offs, mask=offs < K, other=0.0)
+    w = _decode_e4m3(w) if BITS else w.to(tl.float32)
+    return tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_ptr, partial_ptr, lock_ptr, N,
                  K: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
                  RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -113,16 +133,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     first = pid_k * ITERS * BLOCK_K
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.range(0, ITERS, loop_unroll_factor=UNROLL):
+    if PDL:  # started while the kernel before may still run: read the first weight tile now (no kernel writes it),
+        w = _load_weights(w_rows, first + k, cols, N, K, EVEN)
+        gdc_wait()  # the input, the residual and every write only once that kernel is done
+        gdc_launch_dependents()
+        acc += _partial_product(w, x_row, first + k, K, EVEN, BITS)
+    for i in tl.range(1 if PDL else 0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        if EVEN:  # N and K are multiples of the blocks: no masks
-            x = tl.load(x_row + offs)
-            w = tl.load(w_rows + offs[None, :])
-        else:
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0)
-            w = tl.load(w_rows + offs[None, :], mask=(cols[:, None] < N) & (offs[None, :] < K), other=0.0)
-        w = _decode_e4m3(w) if BITS else w.to(tl.float32)
-        acc += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+        acc += _partial_product(_load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN, BITS)
     x_scale = 1.0
     if FP8:
         x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
@@ -138,7 +156,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partials + s * N, mask=cols < N, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock, 0)  # ready for the next call
-            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, BITS, HAS_BIAS, RESIDUAL)
+            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, BITS, HAS_BIAS,
+                    RESIDUAL)
 
 
 class _Workspace:
@@ -160,6 +179,10 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
+def launch(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}  # (only asked for on GPUs: Triton's interpreter has no such option)
+
+
 def default_config(n: int, k: int, fp8: bool) -> GemvConfig:
     """A config for weight [n, k] from perf.gemv_sweep on the H200 (Llama-3-8B's projections, 2026-12-02): K tiles
     of 2048, no split-K, the loop unrolled twice where the tile count is even; four output features per program for
@@ -172,8 +195,17 @@ def default_config(n: int, k: int, fp8: bool) -> GemvConfig:
     return GemvConfig(block_n=2, block_k=block_k, split_k=1, warps=8, unroll=unroll)
 
 
+@functools.cache
+def pdl_runs_on(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper on): a kernel launched with it may start while the one before it in the
+    stream is finishing, and waits for it (gdc_wait) only before reading what it wrote. The GEMV reads its first
+    weight tile before waiting, so the launch, the ramp-up and the tail of the kernel before overlap with weight
+    reads; inside CUDA graphs too."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-            quantize: bool = False, input_scale: torch.Tensor | None = None
+            quantize: bool = False, input_scale: torch.Tensor | None = None, pdl: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(f(x), scale): see `_prepare_kernel`; `scale` is [M] for dynamic quantization, `input_scale` for static, None
     without quantization."""
@@ -187,37 +219,47 @@ def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, sil
     _prepare_kernel[(m,)](x.contiguous(), out, scale if scale is not None else out,
                           norm[0] if norm is not None else out, norm[1] if norm is not None else 0.0, K=k,
                           NORM=norm is not None, SILU=silu, QUANTIZE=quantize, STATIC=input_scale is not None,
-                          BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+                          BLOCK=block, PDL=pdl, num_warps=min(16, max(4, block // 1024)), **launch(pdl))
     return out, scale
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-         input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+         input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, quantize_input: bool = True, *,
          norm: tuple[torch.Tensor, float] | None = None, silu: bool = False, residual: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
     """residual + f(x) W^T (+ bias) for x [M, K] (M small; [M, 2K] as [gate | up] with `silu`), weight [N, K] in x's
     dtype or E4M3 with `weight_scale` [N, 1]; f = RMSNorm with (weight, eps) `norm`, SiLU(gate) * up with `silu`, or
-    nothing. FP8: `input_scale` None quantizes each row with its own scale."""
+    nothing. FP8: `input_scale` None quantizes each row with its own scale; `quantize_input` False leaves the input
+    as it is (weights-only FP8)."""
     (n, k), m = weight.shape, x.shape[0]
     fp8 = weight.dtype == FP8
     if x.shape[1] != (2 * k if silu else k) or (fp8 and weight_scale is None) or (norm is not None and silu):
         raise ValueError(f"gemv: input {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"silu={silu}, norm={norm is not None}")
-    x_scale = None
-    if norm is not None or silu or fp8:
-        x, x_scale = prepare(x, norm, silu, fp8, input_scale)
     c = config or default_config(n, k, fp8)
+    quantize = fp8 and quantize_input
+    prepared = norm is not None or silu or quantize
+    # PDL where a prepare kernel comes first: the weight reads start while it runs (FP8: 1-2 us a projection on the
+    # H200); bf16 GEMVs after each other were slower with it (gate_up 59.9 vs 57.4 us), the early CTAs competing
+    pdl = c.pdl and prepared and pdl_runs_on(x.device)
+    x_scale = None
+    if prepared:
+        x, x_scale = prepare(x, norm, silu, quantize, input_scale, pdl)
+    if fp8 and not quantize:
+        x_scale = input_scale = torch.ones((), device=x.device)  # the kernel's FP8 arithmetic at input scale 1
     chunks = triton.cdiv(k, c.block_k)
     iters = triton.cdiv(chunks, c.split_k)
     split_k = triton.cdiv(chunks, iters)  # no program without work
+    unroll = c.unroll if (iters - pdl) % c.unroll == 0 else 1  # (with PDL the first tile is read before the loop)
     blocks = triton.cdiv(n, c.block_n)
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     locks, partials = _WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
     _gemv_kernel[(blocks, split_k, m)](
-        x, weight.view(torch.uint8) if fp8 and c.bits else weight, out, weight_scale if fp8 else out, x_scale if x_scale is not None else out,
-        bias if bias is not None else out, residual.contiguous() if residual is not None else out, partials, locks,
-        n, K=k, FP8=fp8, BITS=fp8 and c.bits, STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        x, weight.view(torch.uint8) if fp8 and c.bits else weight, out, weight_scale if fp8 else out,
+        x_scale if x_scale is not None else out, bias if bias is not None else out,
+        residual.contiguous() if residual is not None else out, partials, locks, n, K=k, FP8=fp8, BITS=fp8 and c.bits,
+        STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        SPLIT_K=split_k, ITERS=iters, UNROLL=c.unroll, num_warps=c.warps)
+        SPLIT_K=split_k, ITERS=iters, UNROLL=unroll, PDL=pdl, num_warps=c.warps, **launch(pdl))
     return out

@@ -66,13 +66,14 @@ def make_linear(in_features: int, out_features: int, bias: bool, kernels: Kernel
                 name: str = "") -> nn.Module:
     """The seam for FP8 / LoRA linear layers: FP8 where the checkpoint's scheme quantizes this layer."""
     if fp8 is not None and fp8.quantizes(name):
-        return Fp8Linear(in_features, out_features, bias, fp8.activations == "tensor", kernels.quantize_tokens)
+        return Fp8Linear(in_features, out_features, bias, fp8.activations, kernels.quantize_tokens)
     return nn.Linear(in_features, out_features, bias=bias)
 
 
 def gemv_operands(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> tuple | None:
-    """(weight, weight_scale, input_scale, bias) where backends/llm/gemv.py runs `linear` at `x`'s rows, else None:
-    one-token steps of plain or FP8 linear layers, on a GPU with Triton (FP8 from compute capability 8.9)."""
+    """(weight, weight_scale, input_scale, bias, quantize_input) where backends/llm/gemv.py runs `linear` at `x`'s
+    rows, else None: one-token steps of plain or FP8 linear layers, on a GPU with Triton (FP8 from compute capability
+    8.9)."""
     if not kernels.gemv or x.shape[0] > GEMV_MAX_ROWS or x.dtype not in GEMV_DTYPES:
         return None
     fp8 = isinstance(linear, Fp8Linear)
@@ -82,8 +83,8 @@ def gemv_operands(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> tuple
 
     if linear.in_features > MAX_K:
         return None
-    return (linear.weight, linear.weight_scale, linear.input_scale, linear.bias) if fp8 else \
-        (linear.weight, None, None, linear.bias)
+    return (linear.weight, linear.weight_scale, linear.input_scale, linear.bias, linear.activations != "none") if fp8 \
+        else (linear.weight, None, None, linear.bias, False)
 
 
 @functools.cache

@@ -45,7 +45,7 @@ def test_a_row_of_zeros_and_saturation_are_safe():
 def test_fp8_linear_computes_the_product_of_its_quantized_operands(static):
     torch.manual_seed(0)
     x, weight, bias = torch.randn(5, 32), torch.randn(24, 32), torch.randn(24)
-    layer = Fp8Linear(32, 24, bias=True, static_input=static)
+    layer = Fp8Linear(32, 24, bias=True, activations="tensor" if static else "token")
     layer.weight.data, layer.weight_scale.data = quantize_weight(weight)
     layer.bias.data = bias
     if static:
@@ -67,7 +67,7 @@ def test_fp8_linear_on_the_gpu_computes_its_quantized_operands_product(rows, sta
     quantized operands. (One-token steps run gemv.py instead: tests/unit/test_gemv.py.)"""
     torch.manual_seed(rows)
     n, k = shape
-    layer = Fp8Linear(k, n, bias=bias, static_input=static).cuda()
+    layer = Fp8Linear(k, n, bias=bias, activations="tensor" if static else "token").cuda()
     layer.weight.data, layer.weight_scale.data = quantize_weight(torch.randn(n, k, device="cuda"))
     x = (torch.randn(rows, k, device="cuda") * torch.logspace(-2, 1, rows, device="cuda")[:, None]).bfloat16()
     if bias:
@@ -83,8 +83,9 @@ def test_fp8_linear_on_the_gpu_computes_its_quantized_operands_product(rows, sta
 
 
 def test_scheme_reads_and_writes_compressed_tensors_configs():
-    scheme = Fp8Scheme("tensor", "tensor")
-    assert Fp8Scheme.from_config(scheme.to_config()) == scheme
+    for scheme in (Fp8Scheme("tensor", "tensor"), Fp8Scheme("channel", "none")):
+        assert Fp8Scheme.from_config(scheme.to_config()) == scheme
+    assert Fp8Scheme("channel", "none").to_config()["config_groups"]["group_0"]["input_activations"] is None
     assert Fp8Scheme.from_config(None) is None
     assert not Fp8Scheme(ignore=("re:.*lm_head",)).quantizes("lm_head") and Fp8Scheme().quantizes("")
     with pytest.raises(ValueError, match="not supported"):
@@ -108,9 +109,11 @@ def test_our_fp8_checkpoint_has_the_compressed_tensors_layout(fp8_checkpoint):
     assert (fp8_checkpoint / "tokenizer.json").exists()
 
 
-def assert_logits_of_dequantized_weights(fp8_checkpoint, tmp_path, ids: list[int]) -> None:
+def assert_logits_of_dequantized_weights(fp8_checkpoint, tmp_path, ids: list[int], quantized_inputs: bool = True
+                                         ) -> None:
     """The engine's FP8 model (fused q/k/v and gate/up with each part's scales) against a float model holding the
-    dequantized weights whose projections quantize their inputs per token the same way: equal logits."""
+    dequantized weights whose projections quantize their inputs per token the same way (or not at all, for a
+    weights-only checkpoint): equal logits."""
     from safetensors.torch import save_file
 
     tensors = dict(checkpoint_tensors(fp8_checkpoint))
@@ -123,7 +126,7 @@ def assert_logits_of_dequantized_weights(fp8_checkpoint, tmp_path, ids: list[int
     reference = load_model(tmp_path, torch.float32, "cpu")
     assert isinstance(fp8.layers[0].mlp.down_proj, Fp8Linear) and not isinstance(reference.layers[0].mlp.down_proj,
                                                                                   Fp8Linear)
-    for layer in reference.layers:
+    for layer in reference.layers if quantized_inputs else ():
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.register_forward_pre_hook(lambda _, args: (quantize(args[0], s := token_scales(args[0])).float() * s,))
     torch.testing.assert_close(sequence_logits(fp8, ids), sequence_logits(reference, ids), rtol=1e-4, atol=1e-4)
@@ -132,6 +135,19 @@ def assert_logits_of_dequantized_weights(fp8_checkpoint, tmp_path, ids: list[int
 def test_fp8_checkpoint_gives_the_logits_of_its_dequantized_weights(fp8_checkpoint, tmp_path):
     assert_logits_of_dequantized_weights(fp8_checkpoint, tmp_path, [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3, 1,
                                                                      19, 23, 8])  # two KV blocks
+
+
+def test_a_weights_only_checkpoint_gives_the_logits_of_its_dequantized_weights(tmp_path):
+    """--fp8-activations none: compressed-tensors without input_activations (vLLM reads it as W8A16); the inputs stay
+    as they are, the product is theirs with the dequantized weights."""
+    out = tmp_path / "w8a16"
+    write_fp8_checkpoint(tiny_checkpoint("llm", ROOT / ".checkpoints"), out, Fp8Scheme("channel", "none"))
+    assert "input_scale" not in " ".join(name for name, _ in checkpoint_tensors(out))
+    layer = load_model(out, torch.float32, "cpu").layers[0].mlp.down_proj
+    assert isinstance(layer, Fp8Linear) and layer.activations == "none"
+    (tmp_path / "reference").mkdir()
+    assert_logits_of_dequantized_weights(out, tmp_path / "reference", [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3,
+                                                                       1, 19, 23, 8], quantized_inputs=False)
 
 
 LLM_COMPRESSOR_FP8 = ROOT / ".checkpoints" / "smollm2-fp8-llmcompressor"  # `make fp8-reference` writes it

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.llm.fp8 import FP8, quantize_tokens, quantize_weight
+from backends.llm.fp8 import FP8, Fp8Scheme, quantize_tokens, quantize_weight
 from backends.llm.gemv import _WORKSPACE, GemvConfig, gemv
 from backends.llm.model import rms_norm
 
@@ -83,6 +83,14 @@ def test_static_input_scale_is_used_as_given():
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_weights_only_fp8_leaves_the_input_as_it_is():
+    """quantize_input=False (weights-only FP8): the input times the dequantized weights, with the fused RMSNorm."""
+    (x, w, scale, bias), fused = operands(48, 64, True, torch.float32, False, True, True, True)
+    out = gemv(x, w, scale, None, bias, False, config=CONFIGS[1], **fused)
+    ref = rms_norm(x, *fused["norm"]).double() @ (w.double() * scale.double()).t() + bias.double()
+    assert torch.allclose(out.double(), fused["residual"].double() + ref, rtol=1e-5, atol=1e-5)
+
+
 def test_e4m3_rounding_equals_torchs_cast():
     """The kernel rounds inputs to E4M3 in fp32 arithmetic (the interpreter's own fp8 cast mis-rounds): every E4M3
     value, every midpoint between neighbours (ties to even), subnormals and random values round as torch's cast."""
@@ -134,7 +142,7 @@ def test_mismatched_operands_are_refused():
         gemv(x[:, :32], w, scale)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [None, "token", "none"])
 def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8, tmp_path, monkeypatch):
     """The engine with its one-token steps routed through the kernel (norms, SiLU * up and residuals fused; the LM
     head too) decodes what the unfused model decodes, in fp32: on the CPU in the interpreter, on a GPU inside the
@@ -148,8 +156,8 @@ def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8
     from tests.conftest import ROOT
 
     checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
-    if fp8:
-        write_fp8_checkpoint(checkpoint, tmp_path / "fp8")
+    if fp8:  # FP8 activations per token, or FP8 weights only
+        write_fp8_checkpoint(checkpoint, tmp_path / "fp8", Fp8Scheme("channel", fp8))
         checkpoint = tmp_path / "fp8"
     prompts = ["a photo of the cat", "x"]
 

@@ -142,6 +142,7 @@ def test_gguf_and_pretrained_sources_are_checked(tmp_path, capsys):
 def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm_checkpoint):
     from backends.llm.engine import EngineConfig, LLMEngine
     from backends.llm.fp8 import FP8, Fp8Linear
+    from backends.llm.model import checkpoint_tensors
     from backends.llm.sampling import SamplingParams
 
     assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--repository",
@@ -161,7 +162,19 @@ def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm
     assert static.model.layers[0].self_attn.k_scale.item() > 0
     (seq,) = static.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
     assert len(seq.output_ids) == 4
+    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-activations", "none",
+                  "--fp8-rounding", "gptq", "--calibration", str(tmp_path / "prompts.txt"), "--repository",
+                  str(tmp_path), "--name", "llm_gptq"]) == 0
+    gptq = LLMEngine(tmp_path / "llm_gptq" / "1", EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
+    assert gptq.model.layers[0].mlp.down_proj.activations == "none"
+    nearest = dict(checkpoint_tensors(tmp_path / "llm" / "1"))
+    rounded = dict(checkpoint_tensors(tmp_path / "llm_gptq" / "1"))
+    name = "model.layers.0.mlp.down_proj"
+    assert torch.equal(rounded[name + ".weight_scale"], nearest[name + ".weight_scale"])
+    assert not torch.equal(rounded[name + ".weight"].view(torch.uint8), nearest[name + ".weight"].view(torch.uint8))
     with pytest.raises(SystemExit):  # static scales need calibration prompts
         build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--kv-cache-dtype", "fp8"])
+    with pytest.raises(SystemExit):  # so does GPTQ
+        build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-rounding", "gptq"])
     with pytest.raises(SystemExit):
         build(["vit", "--checkpoint", str(llm_checkpoint), "--precision", "fp8"])

@@ -84,4 +84,3 @@ def gptq_weights(fp8_checkpoint: Path, float_checkpoint: Path, prompts: list[lis
                 out[f"model.layers.{i}.{parts[0]}.{shard}.weight"] = rows.clone()
         states.advance(i)
     return out
-

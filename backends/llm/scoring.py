@@ -9,18 +9,24 @@ from backends.llm.kv_cache import allocate_kv_cache
 from backends.llm.model import DecoderModel
 
 
+def whole_sequence(n: int, block_size: int, device) -> tuple[torch.Tensor, AttentionMetadata, int]:
+    """(positions, metadata, blocks) for a prefill of one sequence of n tokens over a cache of its own blocks."""
+    blocks = -(-n // block_size)
+    positions = torch.arange(n, device=device)
+    meta = AttentionMetadata(positions, torch.arange(blocks, device=device, dtype=torch.int32)[None], positions[None],
+                             (torch.zeros(n, dtype=torch.int64, device=device), positions), n, (n,))
+    return positions, meta, blocks
+
+
 @torch.inference_mode()
 def sequence_logits(model: DecoderModel, ids: list[int] | torch.Tensor, block_size: int = 16) -> torch.Tensor:
     """float32 [len(ids), vocab]: row i scores the token after ids[i]."""
     device = model.embed_tokens.weight.device
     ids = torch.as_tensor(ids, device=device)
-    args, n = model.args, len(ids)
-    blocks = -(-n // block_size)
+    args = model.args
+    positions, meta, blocks = whole_sequence(len(ids), block_size, device)
     cache = allocate_kv_cache(args.num_hidden_layers, blocks, block_size, args.num_key_value_heads, args.head_dim,
                               model.kv_cache_dtype, device)
-    positions = torch.arange(n, device=device)
-    meta = AttentionMetadata(positions, torch.arange(blocks, device=device, dtype=torch.int32)[None], positions[None],
-                             (torch.zeros(n, dtype=torch.int64, device=device), positions), n, (n,))
     return model.logits(model(ids, positions, cache, meta))
 
 
@@ -36,14 +42,9 @@ class LayerStates:
         with torch.inference_mode():
             for ids in prompts:
                 ids = torch.as_tensor(ids, device=device)
-                n = len(ids)
-                blocks = -(-n // block_size)
-                positions = torch.arange(n, device=device)
-                meta = AttentionMetadata(positions, torch.arange(blocks, device=device, dtype=torch.int32)[None],
-                                         positions[None], (torch.zeros(n, dtype=torch.int64, device=device),
-                                                           positions), n, (n,))
+                positions, meta, blocks = whole_sequence(len(ids), block_size, device)
                 cache = allocate_kv_cache(1, blocks, block_size, args.num_key_value_heads, args.head_dim,
-                                          model.kv_cache_dtype, device)[0]
+                                          model.kv_cache_dtype, device)[0]  # one layer's, reused by each in turn
                 self.items.append([model.embed_tokens(ids), model.cos[positions], model.sin[positions], cache, meta])
 
     @torch.inference_mode()

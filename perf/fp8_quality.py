@@ -105,10 +105,13 @@ def ablation(fp8_model, float_model, reference, evaluation) -> list[list[str]]:
     put({name: dequantized(m) for name, m in fp8_layers.items()})
     rows.append(["diagnostic: FP8 weights only (inputs unquantized)", *row(compare(reference, fp8_model,
                                                                                    evaluation))])
+    def quantized_inputs(_, args: tuple) -> tuple:
+        xq, scale = quantize_tokens(args[0], None)
+        return ((xq.float() * scale).to(args[0].dtype),)
+
     put({name: float_model.get_submodule(name) for name in fp8_layers})
     for name in fp8_layers:
-        float_model.get_submodule(name).register_forward_pre_hook(
-            lambda _, args: ((lambda xq, s: xq.float() * s)(*quantize_tokens(args[0], None)).to(args[0].dtype),))
+        float_model.get_submodule(name).register_forward_pre_hook(quantized_inputs)
     rows.append(["diagnostic: float weights, inputs quantized per token (the activations' share)",
                  *row(compare(reference, fp8_model, evaluation))])
     return rows

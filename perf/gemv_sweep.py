@@ -15,7 +15,6 @@ import argparse
 import concurrent.futures
 import csv
 import dataclasses
-import itertools
 import multiprocessing
 import socket
 import sys
@@ -38,26 +37,26 @@ SMS = 132
 
 
 def candidates(n: int, k: int, fp8: bool) -> list[GemvConfig]:
-    """The grid (FP8: with the weights decoded by conversions and by bit moves), bounded to tiles of 2-32 KB, 8-64
-    elements per thread, a few waves of programs, and K spans that the blocks divide (no masks)."""
+    """The grid, bounded to tiles of 2-32 KB, 8-64 elements per thread, a few waves of programs, and K spans that
+    the blocks divide (no masks)."""
     size = 1 if fp8 else 2
     out = []
     for block_n in (2, 4, 8, 16):
         for block_k in (512, 1024, 2048, 4096):
             for split_k in (1, 2, 4):
                 for warps in (4, 8):
-                    for unroll, bits in itertools.product((1, 2), (False, True) if fp8 else (False,)):
+                    for unroll in (1, 2):
                         tile, per_thread = block_n * block_k * size, block_n * block_k // (32 * warps)
                         programs = -(-n // block_n) * split_k
                         iters, rest = divmod(k, block_k * split_k)
                         if (2048 <= tile <= 32768 and 8 <= per_thread <= 64 and SMS <= programs <= 256 * SMS
                                 and rest == 0 and iters % unroll == 0):
-                            out.append(GemvConfig(block_n, block_k, split_k, warps, unroll, bits))
+                            out.append(GemvConfig(block_n, block_k, split_k, warps, unroll))
     return out
 
 
 def label(c: GemvConfig) -> str:
-    return f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}{'/bits' if c.bits else ''}"
+    return f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}"
 
 
 def with_default(configs: list[GemvConfig], name: str, fp8: bool) -> list[GemvConfig]:
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         timed = []
         for c in configs:
             e = error(gemv(x, *copies[0], config=c), ref)
-            row = [name, "fp8" if fp8 else "bf16", c.block_n, c.block_k, c.split_k, c.warps, c.unroll, int(c.bits)]
+            row = [name, "fp8" if fp8 else "bf16", c.block_n, c.block_k, c.split_k, c.warps, c.unroll]
             if not e < 1e-2:  # recorded, left out of the ranking; fresh split-K counters for the next one
                 print(f"{name} {row[1]} {c}: relative error {e:.2e}", flush=True)
                 all_rows.append(row + ["wrong", f"{e:.2e}"])
@@ -157,24 +156,19 @@ def main(argv: list[str] | None = None) -> int:
         timed.sort(key=lambda t: t[0])
         us, c = timed[0]
         fused = fused_time_us(name, x, copies, c)
-        best_rows.append([name, f"{n}x{k}", "fp8" if fp8 else "bf16", len(configs),
-                          label(c), f"{us:.1f}",
-                          f"{n * k * size / us / 1e3:.0f}", f"{default_us:.1f}", f"{plain_us:.1f}",
-                          baseline_name, f"{base_us:.1f}",
-                          f"{n * k * size / base_us / 1e3:.0f}", f"{base_us / us:.2f}", FUSED[name], f"{fused:.1f}",
-                          ", ".join(f"{label(b)} {t:.1f}"
-                                    for t, b in timed[1:4])])
+        best_rows.append([name, f"{n}x{k}", "fp8" if fp8 else "bf16", len(configs), label(c), f"{us:.1f}",
+                          f"{n * k * size / us / 1e3:.0f}", f"{default_us:.1f}", f"{plain_us:.1f}", baseline_name,
+                          f"{base_us:.1f}", f"{n * k * size / base_us / 1e3:.0f}", f"{base_us / us:.2f}", FUSED[name],
+                          f"{fused:.1f}", ", ".join(f"{label(b)} {t:.1f}" for t, b in timed[1:4])])
         print(*best_rows[-1], sep=" | ", flush=True)
         del copies
         torch.cuda.empty_cache()
     base = stem(args.results / args.host, "gemv-sweep-configs")
     with base.with_suffix(".csv").open("w", newline="") as f:
-        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "bits", "us",
-                                  "GB/s"],
+        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "us", "GB/s"],
                                  *all_rows])
-    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll, /bits: E4M3 weights decoded by bit moves "
-             "(gemv._decode_e4m3) instead of conversion instructions; every one launched with PDL where the GPU has "
-             "it (gemv.pdl_runs_on). Times: median of 20 replays of a CUDA graph calling the kernel once per weight "
+    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll, launched as the engine launches it (with PDL after a "
+             "prepare kernel, where the GPU has it: gemv.pdl_runs_on). Times: median of 20 replays of a CUDA graph calling the kernel once per weight "
              "copy (>= 256 MiB, so L2 holds none), per call; GB/s: weight bytes per second. "
              "Every configuration checked against the float64 product (relative error < 1e-2) before timing.",
              "fp8: E4M3 weights with per-channel scales, the input quantized per token first (gemv.prepare, one small "

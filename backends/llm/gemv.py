@@ -32,7 +32,6 @@ class GemvConfig:
     split_k: int
     warps: int
     unroll: int = 1
-    bits: bool = False  # FP8: decode E4M3 weights with integer bit moves (see _decode_e4m3), not conversions
     pdl: bool = True  # programmatic dependent launch after a prepare kernel, where the GPU has it (see pdl_runs_on)
 
 
@@ -47,23 +46,10 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _decode_e4m3(byte):
-    """E4M3 bytes -> fp32 values 2^-120 times theirs, by placing sign, exponent and mantissa bits into an fp32 word:
-    integer instructions instead of the conversions fp8 -> f16 -> f32. E4M3 subnormals become fp32 subnormals, so
-    the scale holds for every value, and the product with an E4M3 input (8 significant bits, no smaller than 2^-138)
-    is exact as before. An option (GemvConfig.bits) the sweep measures: on the H200 it was slower on every
-    projection (qkv 13.3 vs 11.2 us), so the conversions were not what limited the kernel there."""
-    b = byte.to(tl.uint32)
-    return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N,
-            FP8: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+            FP8: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
     in_n = cols < N
     if FP8:
-        if BITS:
-            acc = acc * 1.329227995784916e36  # 2^120: undoes _decode_e4m3's scale, exactly
         acc = acc * x_scale * tl.load(w_scale_ptr + cols, mask=in_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=in_n, other=0.0).to(tl.float32)
@@ -116,15 +102,15 @@ def _load_weights(w_rows, offs, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _partial_product(w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr, BITS: tl.constexpr):
+def _partial_product(w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr):
     x = tl.load(x_row + offs) if EVEN else tl.load(x_row + offs, mask=offs < K, other=0.0)
-    w = _decode_e4m3(w) if BITS else w.to(tl.float32)
-    return tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_ptr, partial_ptr, lock_ptr, N,
-                 K: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, STATIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 K: tl.constexpr, FP8: tl.constexpr, QUANTIZED: tl.constexpr, STATIC: tl.constexpr,
+                 HAS_BIAS: tl.constexpr,
                  RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -138,15 +124,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
         w = _load_weights(w_rows, first + k, cols, N, K, EVEN)
         gdc_wait()  # the input, the residual and every write only once that kernel is done
         gdc_launch_dependents()
-        acc += _partial_product(w, x_row, first + k, K, EVEN, BITS)
+        acc += _partial_product(w, x_row, first + k, K, EVEN)
     for i in tl.range(1 if PDL else 0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        acc += _partial_product(_load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN, BITS)
-    x_scale = 1.0
-    if FP8:
+        acc += _partial_product(_load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN)
+    x_scale = 1.0  # unquantized inputs: bf16 weights, or FP8 weights only
+    if QUANTIZED:
         x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
     if SPLIT_K == 1:
-        _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, BITS, HAS_BIAS, RESIDUAL)
+        _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
     else:
         partials = partial_ptr + row * SPLIT_K * N + cols
         tl.store(partials + pid_k * N, acc, mask=cols < N)
@@ -157,8 +143,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partials + s * N, mask=cols < N, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock, 0)  # ready for the next call
-            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, BITS, HAS_BIAS,
-                    RESIDUAL)
+            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
 
 
 class _Workspace:
@@ -188,7 +173,7 @@ def default_config(n: int, k: int, fp8: bool) -> GemvConfig:
     """A config for weight [n, k] from perf.gemv_sweep on the H200 (Llama-3-8B's projections, 2026-12-02): K tiles
     of 2048, no split-K, the loop unrolled twice where the tile count is even; four output features per program for
     FP8 weights and long bf16 rows, two for the other bf16 ones. Within 3% of the best configuration swept for each
-    projection (2026-12-02-gemv-sweep.md, column "default us")."""
+    projection (perf/results/h200/2026-12-02-gemv-sweep-configs.csv)."""
     block_k = min(2048, triton.next_power_of_2(k))
     unroll = 2 if triton.cdiv(k, block_k) % 2 == 0 else 1
     if fp8 or k > 8192:
@@ -244,8 +229,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     # H200); bf16 GEMVs after each other were slower with it (gate_up 59.9 vs 57.4 us), the early CTAs competing
     pdl = c.pdl and prepared and pdl_runs_on(x.device)
     x_scale = None
-    if fp8 and not quantize:  # the kernel's FP8 arithmetic at input scale 1 (made first: the GEMV follows prepare)
-        x_scale = input_scale = torch.ones((), device=x.device)
     if prepared:
         x, x_scale = prepare(x, norm, silu, quantize, input_scale, pdl)
     chunks = triton.cdiv(k, c.block_k)
@@ -257,9 +240,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     locks, partials = _WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
     _gemv_kernel[(blocks, split_k, m)](
-        x, weight.view(torch.uint8) if fp8 and c.bits else weight, out, weight_scale if fp8 else out,
+        x, weight, out, weight_scale if fp8 else out,
         x_scale if x_scale is not None else out, bias if bias is not None else out,
-        residual.contiguous() if residual is not None else out, partials, locks, n, K=k, FP8=fp8, BITS=fp8 and c.bits,
+        residual.contiguous() if residual is not None else out, partials, locks, n, K=k, FP8=fp8, QUANTIZED=quantize,
         STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         SPLIT_K=split_k, ITERS=iters, UNROLL=unroll, PDL=pdl, num_warps=c.warps, **launch(pdl))

@@ -17,7 +17,7 @@
 #   "gemv": the GEMV kernels' and the FP8 and paged-decode tests on the GPU, then the GEMV block configurations swept
 #   on Llama-3-8B's projections in bf16 and FP8 beside cuBLAS (perf.gemv_sweep);
 #   "linear": the engine on Llama-3-8B shapes in bf16 and FP8 with one-token linear layers by the GEMV kernels and by
-#   cuBLAS, one run (perf.llm_engine --variants);
+#   cuBLAS, and weights-only FP8 by the GEMV kernels, one run (perf.llm_engine --variants);
 #   "prefill": the engine's tests on the GPU, then chunked prefill and prefix caching on Llama-3-8B shapes
 #   (perf.llm_prefill))
 set -euo pipefail
@@ -128,7 +128,7 @@ if [[ " ${SCENARIOS:-images} " == *" gemv "* ]]; then
 fi
 if [[ " ${SCENARIOS:-images} " == *" linear "* ]]; then
   "$py" -m perf.llm_engine --random-init llama-3-8b \
-    --variants bf16:paged:library,bf16:paged:gemv,fp8:paged:library,fp8:paged:gemv \
+    --variants bf16:paged:library,bf16:paged:gemv,fp8:paged:library,fp8:paged:gemv,fp8w:paged:gemv \
     --scenario llm-engine-gemv --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" prefill "* ]]; then

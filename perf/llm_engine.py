@@ -9,11 +9,11 @@ Output lengths are forced (min_tokens = max_tokens, transformers' min_new_tokens
 count. Weights: a local checkpoint, the tiny one, or a real-size random init (`--random-init llama-3-8b`).
 
 `--variants bf16:paged:library,bf16:paged,fp8:paged` compares instead engines on the same weights with each other, one
-after the other in the same run: PRECISION:ATTENTION[:LINEAR], bf16 or quantized to FP8 E4M3 (per-channel weights,
-per-token activations; backends/llm/fp8.py), decode attention by the paged Triton kernel or gather + SDPA, one-token
-linear layers by the GEMV kernels of backends/llm/gemv.py (default) or the library (cuBLAS); decode tokens/s at
-batch 1, the concurrent run, the graph step, and the time each engine takes to be ready. `--dtype fp8` =
-bf16:paged,fp8:paged.
+after the other in the same run: PRECISION:ATTENTION[:LINEAR], bf16 or quantized to FP8 E4M3 (per-channel weights;
+`fp8`: per-token activations, `fp8w`: weights only, activations in bf16; backends/llm/fp8.py), decode attention by
+the paged Triton kernel or gather + SDPA, one-token linear layers by the GEMV kernels of backends/llm/gemv.py
+(default) or the library (cuBLAS); decode tokens/s at batch 1, the concurrent run, the graph step, and the time each
+engine takes to be ready. `--dtype fp8` = bf16:paged,fp8:paged.
 """
 from __future__ import annotations
 
@@ -167,8 +167,9 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
             engine = LLMEngine(checkpoint, config, weights)
         else:  # quantized on the device as the engine loads them (part of its ready time)
             folder = Path(tempfile.mkdtemp(prefix="llm-fp8-"))
-            write_fp8_metadata(Path(checkpoint), folder, Fp8Scheme())
-            engine = LLMEngine(folder, config, quantized_tensors(weights))
+            scheme = Fp8Scheme(activations="none" if precision == "fp8w" else "token")
+            write_fp8_metadata(Path(checkpoint), folder, scheme)
+            engine = LLMEngine(folder, config, quantized_tensors(weights, scheme))
         sync(device)
         ready_s = time.perf_counter() - start
         vocab = engine.model.args.vocab_size
@@ -203,7 +204,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
             row("batch-1 decode step replayed from its CUDA graph, ms", "replay", ".2f"),
             row("engine ready, s (load, FP8 quantizing on the device, KV cache, graph capture)", "ready", ".1f")]
     notes.append("fp8: E4M3 weights with per-channel scales, activations quantized per token; steps of more than "
-                 "one token run torch._scaled_mm after one compiled quantization kernel; embedding, norms, attention "
+                 "one token run torch._scaled_mm after one compiled quantization kernel; fp8w: the same weights, "
+                 "activations kept in bf16 (larger steps convert the weights to bf16 for cuBLAS); embedding, norms, attention "
                  "and the LM head in bf16. paged: decode attention by the Triton kernel of "
                  "backends/llm/paged_decode.py (KV blocks read in place); gather: each sequence's blocks copied out, "
                  "then SDPA. gemv: one-token steps run every linear layer (the LM head too) through "
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=[*sorted(DTYPES), "fp8"], default="fp32",
                         help="fp8: the bf16 engine against the FP8 one instead of against transformers")
     parser.add_argument("--variants", help="engines against each other instead of against transformers: "
-                        "PRECISION:ATTENTION,... with bf16|fp8 and paged|gather (--dtype fp8 means "
+                        "PRECISION:ATTENTION,... with bf16|fp8|fp8w and paged|gather (--dtype fp8 means "
                         "bf16:paged,fp8:paged)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--concurrency", type=int, default=64)
@@ -239,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype == "fp8" or args.variants:
         variants = [tuple((v + ":gemv").split(":")[:3]) if v.count(":") == 1 else tuple(v.split(":"))
                     for v in (args.variants or "bf16:paged,fp8:paged").split(",")]
-        if any(len(v) != 3 or v[0] not in ("bf16", "fp8") or v[1] not in ("paged", "gather")
+        if any(len(v) != 3 or v[0] not in ("bf16", "fp8", "fp8w") or v[1] not in ("paged", "gather")
                or v[2] not in ("gemv", "library") for v in variants):
-            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION[:LINEAR] with bf16|fp8, paged|gather "
+            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION[:LINEAR] with bf16|fp8|fp8w, paged|gather "
                          "and gemv|library")
         columns, rows, notes = compare_engines(args, device, bandwidth, variants)
         model = "random init llama-3-8b shapes" if args.random_init else args.checkpoint or "the tiny checkpoint"

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from backends.core.errors import InjectedFault, InvalidInput
+from backends.core.errors import InjectedFault, InvalidInput, NotFound, Unavailable
 from backends.core.inputs import Inputs, check_request_parameters
 from backends.core.params import Parameters
 
@@ -98,8 +98,10 @@ class TritonBackend(Generic[P]):
         """The per-request error policy: the client's mistake is named; anything else is logged here and reported
         without internals (no paths, no traceback)."""
         pb = self.pb
-        if isinstance(exc, InvalidInput):
-            return pb.TritonError(str(exc), pb.TritonError.INVALID_ARG)
+        for kind, code in ((NotFound, pb.TritonError.NOT_FOUND), (InvalidInput, pb.TritonError.INVALID_ARG),
+                           (Unavailable, pb.TritonError.UNAVAILABLE)):  # the most specific first
+            if isinstance(exc, kind):
+                return pb.TritonError(str(exc), code)
         log.error("%s: request failed", self.name, exc_info=exc)
         return pb.TritonError(f"{self.name} failed on this request ({type(exc).__name__}); the server log has the "
                               "details", pb.TritonError.INTERNAL)

@@ -18,3 +18,11 @@ def is_client_error(message: str) -> bool:
 
 class InjectedFault(RuntimeError):
     """Raised where a test asked for a fault (never in production: needs MM_FAULT_INJECTION=1)."""
+
+
+class Unavailable(RuntimeError):
+    """The server cannot take this request now (a capacity is reached); Triton's UNAVAILABLE, for that request only."""
+
+
+class NotFound(InvalidInput):
+    """The request names something this model does not have (an adapter): Triton's NOT_FOUND."""

@@ -11,23 +11,30 @@ trained modules) are refused with the reason rather than ignored.
 from __future__ import annotations
 
 import json
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from backends.core.errors import InvalidInput, NotFound
 from backends.llm.model import ModelArgs
 
 NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
+                 r"(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")  # a LLaVA checkpoint's text model too
 UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
                "modules_to_save": "extra trained modules", "layers_to_transform": "a subset of layers"}
 
 
-class AdapterError(ValueError):
+class AdapterError(InvalidInput):
     """The adapter cannot be served; the message says why (the client's mistake or the adapter author's)."""
+
+
+class AdapterNotFound(AdapterError, NotFound):
+    """No adapter of that name can be served (not in the root, or unloaded): Triton's NOT_FOUND."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,12 @@ class LoraAdapter:
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    key: bytes = field(default_factory=lambda: os.urandom(16))  # this load of it, in prefix-cache keys
+    users: int = 0  # sequences of the engine using it (the engine loop counts them)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
@@ -60,7 +73,7 @@ def adapter_dir(root: Path, name: str) -> Path:
         raise AdapterError(f"adapter name {name!r}: use 1-64 letters, digits, '.', '_' or '-'")
     path = inside(root, root / name, name)
     if not path.is_dir():
-        raise AdapterError(f"adapter {name!r} is not in the adapter root")
+        raise AdapterNotFound(f"adapter {name!r} is not in the adapter root")
     return path
 
 
@@ -129,8 +142,53 @@ def check_config(name: str, config: dict, limits: AdapterLimits) -> tuple[int, f
         raise AdapterError(f"adapter {name!r}: rank {rank!r}; this model takes ranks 1 to {limits.max_rank}")
     if not isinstance(alpha, (int, float)):
         raise AdapterError(f"adapter {name!r}: lora_alpha {alpha!r} is not a number")
-    targets = config.get("target_modules")
-    targets = [targets] if isinstance(targets, str) else targets or []
+    targets = config.get("target_modules")  # a string is a regular expression: the tensors are checked one by one
+    targets = [] if isinstance(targets, str) else targets or []
     if unknown := sorted(set(targets) - set(limits.targets)):
         raise AdapterError(f"adapter {name!r}: target modules {unknown} are not supported; {list(limits.targets)} are")
     return rank, alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+
+
+@dataclass(frozen=True)
+class Router:
+    """Top-2 routing over adapters: a linear gate on the prompt's mean input embedding picks the two adapters with
+    the highest scores and mixes their products by the softmax of those two scores."""
+
+    adapters: tuple[str, ...]
+    weight: torch.Tensor  # [n, hidden]
+    bias: torch.Tensor  # [n]
+
+    def choose(self, pooled: torch.Tensor) -> list[tuple[str, float]]:
+        scores = self.weight @ pooled.float().cpu() + self.bias
+        top = torch.topk(scores, 2)
+        return list(zip((self.adapters[i] for i in top.indices.tolist()), torch.softmax(top.values, 0).tolist()))
+
+
+ROUTER_FILES = ("router.json", "router.safetensors")
+
+
+def load_router(root: Path, args: ModelArgs) -> Router | None:
+    """The gate in the adapter root: router.json ({"adapters": [names]}) and router.safetensors (`weight` [n, hidden],
+    optional `bias` [n]); None when the root has none."""
+    from safetensors.torch import load_file
+
+    names, weights = (inside(root, root / f, "router") for f in ROUTER_FILES)
+    if not names.is_file():
+        return None
+    try:
+        adapters = json.loads(names.read_text())["adapters"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise AdapterError(f"router.json: expected {{\"adapters\": [names]}} ({exc})") from None
+    if not isinstance(adapters, list) or len(adapters) < 2 or not all(isinstance(a, str) and NAME.fullmatch(a)
+                                                                       for a in adapters):
+        raise AdapterError(f"router.json: adapters {adapters!r}: two or more adapter names")
+    if not weights.is_file():
+        raise AdapterError("router.json without router.safetensors")
+    tensors = load_file(str(weights))
+    weight = tensors.get("weight")
+    bias = tensors.get("bias", torch.zeros(len(adapters)))
+    if weight is None or tuple(weight.shape) != (len(adapters), args.hidden_size) or tuple(bias.shape) != \
+            (len(adapters),):
+        raise AdapterError(f"router.safetensors: needs weight [{len(adapters)}, {args.hidden_size}] and optional bias "
+                           f"[{len(adapters)}]")
+    return Router(tuple(adapters), weight.float(), bias.float())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,10 @@ from backends.core.errors import InvalidInput
 from backends.core.params import Parameters, bounded, choice, device
 from backends.llm.attention import AttentionMetadata
 from backends.llm.detokenizer import append_text, flush_text
+from backends.llm.adapter_cache import AUTO, AdapterCache
+from backends.llm.adapters import LoraAdapter
 from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
+from backends.llm.lora import LoraSlots
 from backends.llm.model import load_model
 from backends.llm.runner import ModelRunner
 from backends.llm.sampling import SamplingParams, sample
@@ -58,6 +62,10 @@ class EngineConfig(Parameters):
     decode_linear: str = choice("gemv", "library")  # gemv: one-token steps run their linear layers as the Triton
     # kernels of gemv.py, the norms, SiLU * up and residual adds around them fused (CUDA); library: cuBLAS
     # (torch._scaled_mm for FP8) and separate kernels, what larger steps and the CPU run
+    max_loras: int = bounded(0, 0)  # LoRA adapters on the device at once (slots shared by a step); 0: LoRA off
+    max_lora_rank: int = bounded(16, 1)  # adapters of higher rank are refused; lower ranks are padded
+    max_cpu_loras: int | None = bounded(None, 1)  # adapters kept on the host (default 4 x max_loras)
+    lora_root: str = "adapters"  # folder of PEFT adapter folders (+ an optional router); relative: to the model folder
 
 
 class StepFailed(RuntimeError):
@@ -98,6 +106,13 @@ class LLMEngine:
             eos.update(generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos
                        is not None else [])
         self.eos_ids = tuple(sorted(eos))
+        self.adapters = None  # LoRA: device slots first, so the KV budget counts them
+        if config.max_loras:
+            slots = LoraSlots(args, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            self.adapters = AdapterCache(Path(checkpoint) / config.lora_root, args, slots,
+                                         config.max_cpu_loras or 4 * config.max_loras)
+            log.info("LoRA: %d device slots of rank %d (%.0f MiB), adapters from %s", config.max_loras,
+                     config.max_lora_rank, slots.nbytes / 2**20, self.adapters.root)
         per_block = kv_bytes_per_block(args.num_hidden_layers, config.block_size, args.num_key_value_heads,
                                        args.head_dim, self.model.kv_cache_dtype)
         num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block - 1  # one goes to the scratch block
@@ -108,9 +123,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, config.max_batch,
                                   min(config.graph_max_context, self.max_model_len),
                                   capture=config.cuda_graphs and self.device.type == "cuda",
-                                  paged_decode=config.decode_attention == "paged")
+                                  paged_decode=config.decode_attention == "paged",
+                                  lora=self.adapters and self.adapters.slots)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
-                                   chunk_tokens=config.chunk_tokens)
+                                   chunk_tokens=config.chunk_tokens, adapters=self.adapters)
         if self.runner.capture:
             before = torch.cuda.memory_reserved(self.device)
             with torch.inference_mode():
@@ -168,11 +184,14 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------------------
     def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0,
             embeds: torch.Tensor | None = None, placeholder_id: int | None = None, embeds_key: bytes | None = None,
-            fault: str | None = None) -> Sequence:
+            fault: str | None = None, lora: tuple[tuple[LoraAdapter, float], ...] = ()) -> Sequence:
         """Queue a request; raises InvalidInput when it cannot fit the context or the KV cache.
         `embeds` [n, hidden] replace the embeddings of the n prompt tokens equal to `placeholder_id` (image features
         at the image placeholders, as the prompt was expanded for them); `embeds_key` names them for the prefix
-        cache (e.g. a digest of the image file; default: a digest of `embeds` itself)."""
+        cache (e.g. a digest of the image file; default: a digest of `embeds` itself). `lora`: the request's
+        adapters and their shares (`choose_adapters`)."""
+        if lora and self.adapters is None:
+            raise InvalidInput("this model serves no LoRA adapters (its max_loras is 0)")
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidInput("the prompt has no tokens")
@@ -189,10 +208,25 @@ class LLMEngine:
                                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
         if embeds is not None and embeds_key is None and self.config.prefix_caching:
             embeds_key = hashlib.blake2b(embeds.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
+        salt = hashlib.blake2b(b"".join(a.key + struct.pack("<d", share) for a, share in lora)).digest() if lora else b""
         seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions,
-                       embeds_key=embeds_key or b"", fault=fault)
+                       embeds_key=embeds_key or b"", fault=fault, lora=lora, cache_salt=salt)
+        if lora:
+            self.adapters.hold(a for a, _ in lora)
         self.scheduler.add(seq)
         return seq
+
+    def choose_adapters(self, lora_id: str, prompt: str | list[int]) -> tuple[tuple[LoraAdapter, float], ...]:
+        """A request's adapters for `lora_id` (a name, or "auto" for the router's top two over the prompt's mean
+        input embedding); safe to call from any thread. Raises AdapterError (with NOT_FOUND for unknown names)."""
+        if self.adapters is None:
+            raise InvalidInput("this model serves no LoRA adapters (its max_loras is 0)")
+        pooled = None
+        if lora_id == AUTO:
+            ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+            with torch.inference_mode():
+                pooled = self.model.embed_tokens.weight[torch.tensor(ids, device=self.device)].float().mean(0)
+        return self.adapters.choose(lora_id, pooled)
 
     def cancel(self, seq: Sequence) -> None:
         """Stop a sequence now; its KV blocks return to the pool before this returns."""
@@ -257,6 +291,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if seq.lora:
+            self.adapters.drop(a for a, _ in seq.lora)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams) -> list[Sequence]:

@@ -119,12 +119,13 @@ class BlockManager:
 
     def _keys(self, seq: Sequence, count: int) -> list[bytes]:
         """Keys of the sequence's first `count` blocks: a 128-bit BLAKE2 digest of the previous block's key, the
-        block's tokens and, where the block holds image positions, the image's key (a collision would hand one
-        request another's cache, so the digest is cryptographic)."""
+        block's tokens and, where the block holds image positions, the image's key; the first block's also digests
+        the sequence's `cache_salt` (its adapters). A collision would hand one request another's cache, so the digest
+        is cryptographic."""
         keys, tokens, size = list(seq.block_keys[:count]), seq.token_ids, self.block_size
         for index in range(len(keys), count):
             start = index * size
-            digest = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+            digest = hashlib.blake2b(keys[-1] if keys else seq.cache_salt, digest_size=16)
             digest.update(array.array("q", tokens[start:start + size]).tobytes())
             if seq.embed_positions and bisect.bisect_left(seq.embed_positions, start) < \
                     bisect.bisect_left(seq.embed_positions, start + size):

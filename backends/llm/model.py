@@ -3,8 +3,9 @@
 Tokens of a step arrive flattened ([T] ids, [T] positions); `AttentionMetadata` says which sequence each belongs
 to and where its keys live. The weights load straight from a Hugging Face checkpoint's safetensors (q/k/v and
 gate/up fused on load, so a step runs two matmuls per attention block and two per MLP). The linear layers come from
-`make_linear`: plain `torch.nn.Linear`, or `Fp8Linear` for an FP8 checkpoint (backends/llm/fp8.py); LoRA will
-plug in there too.
+`make_linear`: plain `torch.nn.Linear`, or `Fp8Linear` for an FP8 checkpoint (backends/llm/fp8.py). LoRA adapters
+are not part of the model: a step hands `forward` its rows' adapters (backends/llm/lora.py), and each projection adds
+their products to its output.
 """
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
 from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme, quantize_tokens, scaled_mm_available
+
+if TYPE_CHECKING:
+    from backends.llm.lora import LoraStep
 
 GEMV_MAX_ROWS = 1  # steps of one token run their linear layers through backends/llm/gemv.py on a GPU
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -64,7 +68,7 @@ class ModelArgs:
 
 def make_linear(in_features: int, out_features: int, bias: bool, kernels: Kernels, fp8: Fp8Scheme | None = None,
                 name: str = "") -> nn.Module:
-    """The seam for FP8 / LoRA linear layers: FP8 where the checkpoint's scheme quantizes this layer."""
+    """The seam for FP8 linear layers: FP8 where the checkpoint's scheme quantizes this layer."""
     if fp8 is not None and fp8.quantizes(name):
         return Fp8Linear(in_features, out_features, bias, fp8.activations, kernels.quantize_tokens)
     return nn.Linear(in_features, out_features, bias=bias)
@@ -99,9 +103,15 @@ def gemv_runs_on(device: torch.device, fp8: bool) -> bool:
 
 
 def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, silu: bool = False,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(f(x)) (+ residual), f = the RMSNorm `norm` or SiLU(gate) * up (`silu`) or nothing: one GEMV kernel with
-    its neighbours fused where gemv_operands allows, else the separate ops (linear's forward sees its own input)."""
+            residual: torch.Tensor | None = None,
+            lora: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """linear(f(x)) (+ lora(f(x))) (+ residual), f = the RMSNorm `norm` or SiLU(gate) * up (`silu`) or nothing: one
+    GEMV kernel with its neighbours fused where gemv_operands allows, else the separate ops (linear's forward sees its
+    own input). With adapters, f(x) is made once for both products and added in PEFT's order."""
+    if lora is not None:
+        x = kernels.silu_mul(x) if silu else x if norm is None else norm(x)
+        out = project(linear, x, kernels) + lora(x)
+        return out if residual is None else residual + out
     if (operands := gemv_operands(linear, x, kernels)) is not None:
         from backends.llm.gemv import gemv
 
@@ -201,20 +211,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, kernels: Kernels, fp8: Fp8Scheme | None = None):
+    def __init__(self, args: ModelArgs, kernels: Kernels, fp8: Fp8Scheme | None = None, index: int = 0):
         super().__init__()
+        self.index = index
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.self_attn = Attention(args, kernels, fp8)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.mlp = MLP(args, kernels, fp8)
         self.kernels = kernels
 
-    def forward(self, x, cos, sin, kv, meta):
+    def forward(self, x, cos, sin, kv, meta, lora: LoraStep | None = None):
         attn, mlp, kernels = self.self_attn, self.mlp, self.kernels
-        qkv = project(attn.qkv_proj, x, kernels, norm=self.input_layernorm)
-        x = project(attn.o_proj, attn(qkv, cos, sin, kv, meta), kernels, residual=x)
-        gate_up = project(mlp.gate_up_proj, x, kernels, norm=self.post_attention_layernorm)
-        return project(mlp.down_proj, gate_up, kernels, silu=True, residual=x)
+        delta = {} if lora is None else lora.layer(self.index)  # projection name -> its adapter products
+        qkv = project(attn.qkv_proj, x, kernels, norm=self.input_layernorm, lora=delta.get("qkv_proj"))
+        x = project(attn.o_proj, attn(qkv, cos, sin, kv, meta), kernels, residual=x, lora=delta.get("o_proj"))
+        gate_up = project(mlp.gate_up_proj, x, kernels, norm=self.post_attention_layernorm,
+                          lora=delta.get("gate_up_proj"))
+        return project(mlp.down_proj, gate_up, kernels, silu=True, residual=x, lora=delta.get("down_proj"))
 
 
 class DecoderModel(nn.Module):
@@ -223,7 +236,7 @@ class DecoderModel(nn.Module):
         self.args = args
         kernels = kernels or Kernels()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, kernels, fp8, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.lm_head = make_linear(args.hidden_size, args.vocab_size, False, kernels, fp8, "lm_head")
         self.kernels = kernels
@@ -243,15 +256,17 @@ class DecoderModel(nn.Module):
         self.sin = (angles.sin() * rope.attention_scaling).to(device=device, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                lora: LoraStep | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every token of the step (logits are computed only where they are read).
-        `embeds` = (token indices, rows): input embeddings that replace those tokens' (image features)."""
+        `embeds` = (token indices, rows): input embeddings that replace those tokens' (image features); `lora`: the
+        rows' adapters."""
         x = self.embed_tokens(input_ids)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
         cos, sin = self.cos[positions], self.sin[positions]
         for layer, kv in zip(self.layers, kv_cache):
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin, kv, meta, lora)
         return self.norm(x)
 
     @property

@@ -4,7 +4,9 @@
 Decode steps run with fixed shapes: the batch is padded to a bucket (1, 2, 4, ... sequences) and the block tables to
 a power-of-two number of blocks; padded rows write and read only the scratch block. On CUDA each (batch, blocks)
 shape is captured once as a CUDA graph and replayed, so a step costs its kernels' time, not thousands of launches.
-On the CPU the same padded path runs eagerly (which is how the tests check it).
+On the CPU the same padded path runs eagerly (which is how the tests check it). With LoRA slots, every step hands
+the model each token row's adapters (slots and weights; backends/llm/lora.py); decode graphs read them from static
+buffers like the token ids.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from backends.llm.attention import AttentionMetadata, decode_kernel
 from backends.llm.kv_cache import SCRATCH_BLOCK, BlockManager
+from backends.llm.lora import MIXED, LoraSlots, LoraStep
 from backends.llm.model import DecoderModel
 from backends.llm.sequence import Sequence
 
@@ -23,21 +26,32 @@ def bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def lora_row(seq: Sequence) -> tuple[list[int], list[float]]:
+    """The sequence's (slots, weights) padded to MIXED; weight = the adapter's alpha/r times its share."""
+    pad = MIXED - len(seq.lora)
+    return seq.lora_slots + [0] * pad, [share * adapter.scaling for adapter, share in seq.lora] + [0.0] * pad
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: list, blocks: BlockManager, max_batch: int,
-                 max_context: int, capture: bool, paged_decode: bool = True):
-        self.model, self.kv_cache, self.blocks = model, kv_cache, blocks
+                 max_context: int, capture: bool, paged_decode: bool = True, lora: LoraSlots | None = None):
+        self.model, self.kv_cache, self.blocks, self.lora = model, kv_cache, blocks, lora
         self.device = model.embed_tokens.weight.device
         self.decode_kernel = decode_kernel(self.device) if paged_decode else None  # None: gather + SDPA
         self.max_batch, self.max_blocks = bucket(max_batch), bucket(-(-max_context // blocks.block_size))
         self.capture = capture
-        # static decode inputs sized for the largest bucket, in one buffer (ids | positions | slots | block tables):
-        # a step fills its host mirror and sends it in one copy; graphs read the device views in place
-        b, size = self.max_batch, 3 * self.max_batch + self.max_batch * self.max_blocks
+        # static decode inputs sized for the largest bucket, in one buffer (ids | positions | slots | adapter slots |
+        # block tables): a step fills its host mirror and sends it in one copy; graphs read the device views in place
+        b, pinned = self.max_batch, self.device.type == "cuda"
+        self.tables_at = (3 + MIXED) * b
+        size = self.tables_at + b * self.max_blocks
         self.staged = torch.full((size,), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.ids, self.positions, self.slots = self.staged[:b], self.staged[b:2 * b], self.staged[2 * b:3 * b]
-        self.tables = self.staged[3 * b:].view(b, self.max_blocks)
+        self.lora_slots = self.staged[3 * b:self.tables_at].view(b, MIXED)
+        self.tables = self.staged[self.tables_at:].view(b, self.max_blocks)
+        self.lora_weights = torch.zeros(b, MIXED, device=self.device)  # and their weights, in a float buffer
+        self.host_weights = torch.zeros(b, MIXED, pin_memory=pinned)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -76,8 +90,20 @@ class ModelRunner:
                                  max(s.num_cached + s.step_tokens for s in seqs), fresh, self.decode_kernel,
                                  tuple((s.step_tokens, s.num_cached + s.step_tokens) for s in seqs))
         embeds = (self.tensor(embed_index), torch.cat(embed_rows).to(self.device)) if embed_index else None
-        hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds)
+        hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds, self.lora_step(seqs))
         return self.model.logits(hidden[self.tensor(last)])
+
+    def lora_step(self, seqs: list[Sequence]) -> LoraStep | None:
+        """The adapters of a step's token rows (`step_tokens` rows a sequence); None when no sequence has any."""
+        if self.lora is None or not any(s.lora for s in seqs):
+            return None
+        slots, weights = [], []
+        for seq in seqs:
+            row_slots, row_weights = lora_row(seq)
+            slots += row_slots * seq.step_tokens
+            weights += row_weights * seq.step_tokens
+        return LoraStep(self.lora, self.tensor(slots).view(-1, MIXED),
+                        self.tensor(weights, torch.float32).view(-1, MIXED))
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """The newest token of each sequence; logits [B, vocab]."""
@@ -90,16 +116,23 @@ class ModelRunner:
         n, b = len(seqs), self.max_batch
         positions = [s.num_tokens - 1 for s in seqs]
         host = self.host.numpy()  # padded rows: token 0 at position 0, written to and read from the scratch block
-        host[:3 * b] = 0
+        host[:self.tables_at] = 0
         host[:n] = [s.token_ids[-1] for s in seqs]
         host[b:b + n] = positions
         host[2 * b:2 * b + n] = [self.blocks.slot(s, p) for s, p in zip(seqs, positions)]
         host[2 * b + n:2 * b + batch] = SCRATCH_BLOCK * self.blocks.block_size
-        tables = host[3 * b:3 * b + batch * self.max_blocks].reshape(batch, self.max_blocks)
+        tables = host[self.tables_at:self.tables_at + batch * self.max_blocks].reshape(batch, self.max_blocks)
         tables[:, :width] = SCRATCH_BLOCK
         for row, seq in zip(tables, seqs):
             row[:len(seq.block_table)] = seq.block_table
-        used = 3 * b + batch * self.max_blocks  # one host-to-device copy (asynchronous from pinned memory)
+        if self.lora is not None:  # rows without adapters (and padded rows) have weight 0
+            lora_slots, weights = host[3 * b:self.tables_at].reshape(b, MIXED), self.host_weights.numpy()
+            weights[:batch] = 0
+            for i, seq in enumerate(seqs):
+                if seq.lora:
+                    lora_slots[i], weights[i] = lora_row(seq)
+            self.lora_weights[:batch].copy_(self.host_weights[:batch], non_blocking=True)
+        used = self.tables_at + batch * self.max_blocks  # one host-to-device copy (asynchronous from pinned memory)
         self.staged[:used].copy_(self.host[:used], non_blocking=True)
         if not self.capture:
             return self.forward_static(batch, width)[:n]
@@ -127,7 +160,8 @@ class ModelRunner:
     def forward_static(self, batch: int, width: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slots[:batch], self.tables[:batch, :width], self.positions[:batch, None], None,
                                  width * self.blocks.block_size, decode_kernel=self.decode_kernel)
-        return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta))
+        lora = None if self.lora is None else LoraStep(self.lora, self.lora_slots[:batch], self.lora_weights[:batch])
+        return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta, lora=lora))
 
     def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream (this also runs the current step: its cache writes repeat identically on
@@ -148,5 +182,6 @@ class ModelRunner:
         meta = AttentionMetadata(self.tensor([self.blocks.slot(s, p) for s, p in zip(seqs, positions)]),
                                  self.block_tables(seqs), self.tensor([[p] for p in positions]), None,
                                  max(s.num_tokens for s in seqs), decode_kernel=self.decode_kernel)
-        hidden = self.model(self.tensor([s.token_ids[-1] for s in seqs]), self.tensor(positions), self.kv_cache, meta)
+        hidden = self.model(self.tensor([s.token_ids[-1] for s in seqs]), self.tensor(positions), self.kv_cache, meta,
+                            lora=self.lora_step(seqs))
         return self.model.logits(hidden)

@@ -4,13 +4,20 @@ A step is either a prefill (waiting sequences join: their prompts, or prompt + o
 through the model at once) or a decode (every running sequence adds one token). New requests join between decode
 steps as soon as the batch and the KV cache have room. When a decode step needs a block and none is free, the
 sequence that would run last (`policy` order) is preempted: its blocks are freed and it is recomputed later.
+A sequence with LoRA adapters also needs their device slots to be admitted; it holds them while it runs, and when
+none is free, admission waits (in order) like it does for KV blocks.
 """
 from __future__ import annotations
 
 from collections import deque
 
+from typing import TYPE_CHECKING
+
 from backends.llm.kv_cache import BlockManager
 from backends.llm.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from backends.llm.adapter_cache import AdapterCache
 
 
 def fcfs(seq: Sequence) -> tuple:
@@ -20,8 +27,9 @@ def fcfs(seq: Sequence) -> tuple:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=fcfs,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, adapters: AdapterCache | None = None):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
+        self.adapters = adapters
         self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -64,7 +72,10 @@ class Scheduler:
                     break
                 if not chunked and chosen and seq.num_tokens > budget:
                     break
+                if not self._take_slots(seq):
+                    break
                 if not self.blocks.admit(seq):
+                    self._give_slots(seq)
                     break
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
@@ -96,8 +107,21 @@ class Scheduler:
         self.running = decode + kept + self.running
         return list(decode)  # a copy: finishing sequences leave `running` while the caller iterates
 
+    def _take_slots(self, seq: Sequence) -> bool:
+        if not seq.lora:
+            return True
+        slots = self.adapters.acquire([adapter for adapter, _ in seq.lora])
+        seq.lora_slots = slots or []
+        return slots is not None
+
+    def _give_slots(self, seq: Sequence) -> None:
+        if seq.lora_slots:
+            self.adapters.release(seq.lora_slots)
+            seq.lora_slots = []
+
     def preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        self._give_slots(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
@@ -106,6 +130,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free the sequence's blocks now (finished, stopped or cancelled) and drop it from the queues."""
         self.blocks.release(seq)
+        self._give_slots(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)

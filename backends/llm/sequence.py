@@ -6,9 +6,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from backends.llm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from backends.llm.adapters import LoraAdapter
 
 _ids = itertools.count()
 
@@ -40,6 +45,9 @@ class Sequence:
     embed_positions: tuple[int, ...] = ()  # ... kept for recomputation after a preemption
     embeds_key: bytes = b""  # identifies the image behind `embeds` in prefix-cache keys
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks so far
+    lora: tuple[tuple[LoraAdapter, float], ...] = ()  # (adapter, share) pairs: none, one, or the router's two
+    lora_slots: list[int] = field(default_factory=list)  # their device slots while running
+    cache_salt: bytes = b""  # what else its keys and values depend on (the adapters), in prefix-cache keys
     fault: str | None = None  # a test's injected fault stage ("sample": its sampling fails)
     text: str = ""  # detokenised output so far (stop strings already cut)
     emitted: int = 0  # characters of `text` already handed to the caller

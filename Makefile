@@ -11,9 +11,10 @@ export HTTP_PORT GRPC_PORT METRICS_PORT
 setup:            ## venv + pinned stack + tritonserver + perf_analyzer (idempotent)
 	bash scripts/setup.sh
 
-engines: setup    ## tiny default engines + the trained SmolLM2 (smollm2) into model_repository/ (skips what is up to date)
+engines: setup    ## tiny default engines + the trained SmolLM2 (smollm2, with its LoRA adapters) (skips what is up to date)
 	$(PY) -m build_engines all --tiny
-	$(PY) -m build_engines llm --pretrained smollm2 --name smollm2
+	$(PY) -m build_engines llm --pretrained smollm2 --name smollm2 --max-loras 4
+	$(PY) -m build_engines.lora model_repository/smollm2/1/adapters
 
 serve: engines    ## foreground tritonserver on HTTP_PORT/GRPC_PORT/METRICS_PORT
 	$(PY) -m backends.server --repository model_repository

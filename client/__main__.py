@@ -7,6 +7,7 @@ generate, which defaults to grpc. Failures print one `error: ...` line and exit 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 from pathlib import Path
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--lora", help="a LoRA adapter of the model (its folder name in the adapter root, or auto)")
+    adapters = sub.add_parser("adapters", help="list, load or unload a generating model's LoRA adapters")
+    adapters.add_argument("action", choices=["list", "load", "unload"])
+    adapters.add_argument("name", nargs="?", default="", help="the adapter (load, unload)")
+    adapters.add_argument("--model", default="llm")
     tile = sub.add_parser("tile", help="LLaVA-NeXT tiles and visual token count of an image from anyres")
     tile.add_argument("image", type=Path)
     transcribe = sub.add_parser("transcribe", help="speech to text with the whisper model")
@@ -120,10 +126,15 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
                 print(f"{text!r}: dim {vector.size}, {vector[:6]} ...")
     elif args.command == "generate":
         optional = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
-                                      ("seed", args.seed), ("stop", args.stop)) if v is not None}
+                                      ("seed", args.seed), ("stop", args.stop), ("lora_id", args.lora))
+                    if v is not None}
         image = args.image.read_bytes() if args.image else None
         _print_stream(client.generate(args.prompt, args.max_tokens, stream=args.stream, model=args.model,
                                       image=image, **optional))
+    elif args.command == "adapters":
+        if args.action != "list" and not args.name:
+            parser.error(f"adapters {args.action} needs the adapter's name")
+        print(json.dumps(client.adapters(args.action, args.name, args.model), indent=2))
     elif args.command == "tile":
         pixels, tokens = client.tile(args.image.read_bytes())
         print(f"{args.image}: {pixels.shape[0]} tiles of {pixels.shape[-1]}x{pixels.shape[-2]} pixels, "

@@ -126,13 +126,25 @@ class Client:
         """Text from a decoupled generating model: deltas as they arrive (stream=True) or the whole answer once.
         The model is `llm`, or `vlm` when `image` (an encoded file) is given, unless `model` names another. gRPC
         streams bidirectionally; HTTP uses Triton's generate_stream endpoint (no images: JSON carries no bytes).
-        `optional`: temperature, top_k, top_p, seed, stop, min_length. Bad arguments raise here, errors from the
-        server while iterating; `timeout_s` bounds the wait for each response."""
+        `optional`: temperature, top_k, top_p, seed, stop, min_length, lora_id (a LoRA adapter's name, or "auto").
+        Bad arguments raise here, errors from the server while iterating; `timeout_s` bounds the wait for each
+        response."""
         model = model or ("vlm" if image is not None else "llm")
         arrays = generation_arrays(prompt, max_tokens, stream, image, **optional)
         if self.protocol == "http":
             return http_generate_stream(self.url, model, generate_request_body(arrays), timeout_s)
         return self._stream_grpc(model, infer_inputs(self.api, arrays), timeout_s)
+
+    def adapters(self, action: str = "list", name: str = "", model: str = "llm", timeout_s: float = 300.0) -> dict:
+        """Load, unload (answered once no request uses it) or list a generating model's LoRA adapters."""
+        arrays = {"lora_action": np.array([action.encode()], dtype=object)}
+        if name:
+            arrays["lora_id"] = np.array([name.encode()], dtype=object)
+        if self.protocol == "http":
+            texts = http_generate_stream(self.url, model, generate_request_body(arrays), timeout_s)
+        else:
+            texts = self._stream_grpc(model, infer_inputs(self.api, arrays), timeout_s)
+        return json.loads("".join(texts))
 
     def _stream_grpc(self, model: str, inputs: list, timeout_s: float) -> Iterator[str]:
         """Non-empty `text_output`s of one request on a gRPC stream, until Triton flags the final response."""
@@ -171,7 +183,7 @@ class Client:
 
 # optional generation inputs and their dtypes (tensorrtllm_backend names; see backends/llm/requests.py)
 GENERATION_OPTIONAL = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "seed": np.int64,
-                       "min_length": np.int32, "stop": object}
+                       "min_length": np.int32, "stop": object, "lora_id": object}
 
 
 def generation_inputs(api, prompt: str, max_tokens: int, stream: bool = True, **optional) -> list:
@@ -190,7 +202,7 @@ def generation_arrays(prompt: str, max_tokens: int, stream: bool = True, image: 
     for name, value in optional.items():
         if name not in GENERATION_OPTIONAL:
             raise ValueError(f"unknown generation input {name!r}; known: {sorted(GENERATION_OPTIONAL)}")
-        values = [v.encode() for v in value] if name == "stop" else [value]
+        values = [v.encode() for v in value] if name == "stop" else [value.encode() if isinstance(value, str) else value]
         arrays[name] = np.array(values, dtype=GENERATION_OPTIONAL[name])
     return arrays
 

@@ -18,6 +18,7 @@ from backends.core.adapter import FAULTS_ENV  # noqa: E402
 from backends.server import TritonServer, free_port  # noqa: E402
 from build_engines.checkpoints import tiny_checkpoint  # noqa: E402
 from build_engines.cli import main as build_engines  # noqa: E402
+from build_engines.lora import main as build_lora_adapters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = ROOT / "model_repository"
@@ -91,8 +92,9 @@ def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint
                                ("anyres", llava_checkpoint), ("vlm", llava_checkpoint),
                                ("whisper", whisper_checkpoint), ("sam", sam_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(REPOSITORY)]) == 0
-    assert build_engines(["llm", "--checkpoint", str(smollm2_checkpoint), "--name", "smollm2",
+    assert build_engines(["llm", "--checkpoint", str(smollm2_checkpoint), "--name", "smollm2", "--max-loras", "4",
                           "--repository", str(REPOSITORY)]) == 0
+    assert build_lora_adapters([str(REPOSITORY / "smollm2" / "1" / "adapters")]) == 0
     return REPOSITORY
 
 

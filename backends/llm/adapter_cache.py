@@ -72,18 +72,18 @@ class AdapterCache:
             self.unloaded.discard(name)
             return adapter
 
-    def unload(self, name: str) -> int:
-        """Refuse `name` from now on and drop it from the caches; returns how many sequences still finish with it."""
+    def unload(self, name: str) -> LoraAdapter | None:
+        """Refuse `name` from now on and drop it from the caches; the adapter that was loaded (its `users` finish with
+        it), None if it was not."""
         with self.lock:
             adapter = self.host.pop(name, None)
             if adapter is None and name not in self.unloaded:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded")
             self.unloaded.add(name)
-            if adapter is None:
-                return 0
-            if (slot := self.slot_of.get(adapter.key)) is not None and self.slot_users[slot] == 0:
+            if adapter is not None and (slot := self.slot_of.get(adapter.key)) is not None and \
+                    self.slot_users[slot] == 0:
                 self._free_slot(slot)
-            return adapter.users
+            return adapter
 
     def choose(self, lora_id: str, pooled_embedding=None) -> tuple[tuple[LoraAdapter, float], ...]:
         """(adapter, share) pairs for a request's lora_id: one adapter, or for "auto" the router's top two

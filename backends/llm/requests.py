@@ -13,10 +13,11 @@ from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.llm.sampling import SamplingParams
 
-# name, Triton dtype, dims, optional: the inputs every generating model declares
+# name, Triton dtype, dims, optional: the inputs every generating model declares (text_input and max_tokens are
+# required by read_generation_request, but an adapter control request carries only lora_action and lora_id)
 GENERATION_INPUTS = (
-    ("text_input", "BYTES", [1], False),
-    ("max_tokens", "INT32", [1], False),
+    ("text_input", "BYTES", [1], True),
+    ("max_tokens", "INT32", [1], True),
     ("stream", "BOOL", [1], True),
     ("temperature", "FP32", [1], True),
     ("top_k", "INT32", [1], True),
@@ -24,9 +25,12 @@ GENERATION_INPUTS = (
     ("seed", "INT64", [1], True),
     ("stop", "BYTES", [-1], True),
     ("min_length", "INT32", [1], True),
+    ("lora_id", "BYTES", [1], True),  # the request's LoRA adapter (a name in the adapter root, or "auto")
+    ("lora_action", "BYTES", [1], True),  # instead of generating: "load", "unload" or "list" adapters
 )
 # said to a client that sends a generation option as a request parameter
 OPTIONS_HINT = f"; generation options are input tensors ({', '.join(n for n, *_ in GENERATION_INPUTS[2:])})"
+LORA_ACTIONS = ("load", "unload", "list")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,30 @@ class GenerationRequest:
     prompt: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = True
+    lora_id: str = ""  # "" : the base model
+
+
+@dataclass(frozen=True)
+class AdapterAction:
+    """A control request: load, unload or list the model's LoRA adapters."""
+
+    action: str
+    name: str = ""
+
+
+def read_adapter_action(inputs: Inputs) -> AdapterAction | None:
+    """The request's `lora_action`, or None for a generation request."""
+    action = inputs.text("lora_action")
+    if action is None:
+        return None
+    if action not in LORA_ACTIONS:
+        raise InvalidInput(f"lora_action must be one of {list(LORA_ACTIONS)}, got {action!r}")
+    name = inputs.text("lora_id", "")
+    if action != "list" and not name:
+        raise InvalidInput(f"lora_action {action!r} needs lora_id, the adapter's name")
+    if inputs.get("text_input") is not None:
+        raise InvalidInput("a lora_action request generates nothing: leave text_input out")
+    return AdapterAction(action, name)
 
 
 def read_generation_request(inputs: Inputs, max_tokens_limit: int) -> GenerationRequest:
@@ -62,4 +90,5 @@ def read_generation_request(inputs: Inputs, max_tokens_limit: int) -> Generation
     stop = tuple(s for s in inputs.texts("stop") if s)
     seed = inputs.scalar("seed", int)
     sampling = SamplingParams(max_tokens, temperature, top_k, top_p, seed, stop, min_tokens)
-    return GenerationRequest(prompt, sampling, stream=inputs.scalar("stream", bool, True))
+    return GenerationRequest(prompt, sampling, stream=inputs.scalar("stream", bool, True),
+                             lora_id=inputs.text("lora_id", ""))

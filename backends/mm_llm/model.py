@@ -6,10 +6,17 @@ requests between steps, runs a step, sends each sequence's new text, and checks 
 cancelled gRPC stream frees its KV blocks at once. A failure that belongs to one request (its inputs, its image, its
 sampling) ends that request alone; only a failed model step fails the sequences in it. Engine statistics are
 exported as custom metrics (llm_*).
+
+LoRA (model parameter max_loras > 0): a request's `lora_id` names an adapter folder in the adapter root (read on its
+first use) or "auto" (the root's router picks two); `execute` resolves it, so an unknown or unloadable adapter fails
+that request at once. A request with `lora_action` instead of a prompt controls the adapters: "load" (also lifts an
+unload), "list", or "unload", answered once no request uses the adapter any more. The answer is JSON in
+`text_output`. Each model instance holds its own adapters: with more than one instance, control requests reach one.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -21,11 +28,14 @@ import numpy as np
 import torch
 
 from backends.core.adapter import TritonBackend, inject
+from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine, StepFailed
-from backends.llm.requests import OPTIONS_HINT, GenerationRequest, read_generation_request
+from backends.llm.adapters import LoraAdapter
+from backends.llm.requests import (OPTIONS_HINT, AdapterAction, GenerationRequest, read_adapter_action,
+                                   read_generation_request)
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -39,6 +49,13 @@ COUNTERS = {"llm_prefill_steps_total": "prefill steps", "llm_decode_steps_total"
             "llm_decode_tokens_total": "tokens produced by decode steps (sum of decode batch sizes)",
             "llm_generated_tokens_total": "tokens generated", "llm_preemptions_total": "sequences preempted",
             "llm_prefix_cache_hit_tokens_total": "prompt tokens whose KV came from the prefix cache"}
+LORA_GAUGES = {"llm_lora_adapters_loaded": "LoRA adapters in the host cache",
+               "llm_lora_adapters_on_device": "LoRA adapters in device slots"}
+LORA_COUNTERS = {"llm_lora_loads_total": "LoRA adapters read from the adapter root",
+                 "llm_lora_load_seconds_total": "time spent reading and checking LoRA adapters",
+                 "llm_lora_evictions_total": "LoRA adapters evicted from the host cache",
+                 "llm_lora_slot_loads_total": "LoRA adapters copied into a device slot",
+                 "llm_lora_slot_evictions_total": "idle LoRA adapters whose device slot another one took"}
 
 
 @dataclass
@@ -50,6 +67,15 @@ class Pending:
     ask: GenerationRequest
     fault: str | None = None
     prepared: Future | None = None  # work started in `execute` that must finish before the request is admitted
+    lora: tuple[tuple[LoraAdapter, float], ...] = ()  # its adapters and their shares
+
+
+@dataclass
+class Unloading:
+    """An unload answered once no request uses the adapter."""
+
+    adapter: LoraAdapter
+    sender: object
 
 
 @dataclass
@@ -78,6 +104,12 @@ def engine_stats(engine: LLMEngine) -> tuple[dict[str, float], dict[str, int]]:
               "llm_decode_tokens_total": s.decode_tokens, "llm_generated_tokens_total": s.generated_tokens,
               "llm_preemptions_total": engine.scheduler.preemptions,
               "llm_prefix_cache_hit_tokens_total": engine.blocks.hit_tokens}
+    if (adapters := engine.adapters) is not None:
+        gauges.update(llm_lora_adapters_loaded=len(adapters.host), llm_lora_adapters_on_device=adapters.on_device)
+        a = adapters.stats
+        totals.update(llm_lora_loads_total=a.loads, llm_lora_load_seconds_total=a.load_seconds,
+                      llm_lora_evictions_total=a.evictions, llm_lora_slot_loads_total=a.slot_loads,
+                      llm_lora_slot_evictions_total=a.slot_evictions)
     return gauges, totals
 
 
@@ -91,7 +123,11 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.active: dict[Sequence, Stream] = {}
         self.wake = threading.Event()
         self.running = True
-        self.metrics = CustomMetrics(self.pb, self.labels, GAUGES, COUNTERS)
+        self.unloading: queue.Queue[Unloading] = queue.Queue()  # from `execute` to the loop
+        self.waiting_unloads: list[Unloading] = []
+        lora = self.engine.adapters is not None
+        self.metrics = CustomMetrics(self.pb, self.labels, {**GAUGES, **(LORA_GAUGES if lora else {})},
+                                     {**COUNTERS, **(LORA_COUNTERS if lora else {})})
         self.metrics.update(*engine_stats(self.engine))
         self.thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
         self.thread.start()
@@ -103,7 +139,12 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 fault = self.check_parameters(request, hint=OPTIONS_HINT)
                 inject(fault, "read")
                 inputs = self.inputs(request)
+                if (action := read_adapter_action(inputs)) is not None:
+                    self._control(action, sender)
+                    continue
                 pending = Pending(request, sender, read_generation_request(inputs, self.engine.max_model_len), fault)
+                if pending.ask.lora_id:  # read from the root here if need be, not on the engine loop
+                    pending.lora = self.engine.choose_adapters(pending.ask.lora_id, pending.ask.prompt)
                 pending.prepared = self.prepare(inputs, pending)
             except Exception as e:
                 self._fail(sender, e)
@@ -111,6 +152,24 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             self.inbox.put(pending)
         self.wake.set()
         return None
+
+    def _control(self, action: AdapterAction, sender) -> None:
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise InvalidInput("this model serves no LoRA adapters (its max_loras is 0)")
+        if action.action == "unload":
+            adapter = adapters.unload(action.name)
+            if adapter is not None:  # answered by the loop once no request uses it
+                self.unloading.put(Unloading(adapter, sender))
+                self.wake.set()
+                return
+            answer = {"unloaded": action.name}
+        elif action.action == "load":
+            adapter = adapters.load(action.name)
+            answer = {"loaded": adapter.name, "rank": adapter.rank}
+        else:
+            answer = adapters.listing()
+        sender.send(self._text(json.dumps(answer)), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def prepare(self, inputs: Inputs, pending: Pending) -> Future | None:
         """Per-request work started in `execute` (the VLM's image decoding): a Future keeps the request out of the
@@ -137,6 +196,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         for pending in self.pending:
             self._send_error(pending.sender, unloading)
         self.pending.clear()
+        for unload in self._unloads():  # every request that used them has just ended
+            self._send_unloaded(unload)
         self.metrics.close()
 
     # --- the engine loop ------------------------------------------------------------------------------------
@@ -146,6 +207,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             self._admit()
             if time.monotonic() - last_housekeeping > HOUSEKEEPING_S or not self.engine.has_work:
                 self._drop_cancelled()
+                self._answer_unloads()
                 self.metrics.update(*engine_stats(self.engine))
                 last_housekeeping = time.monotonic()
             if not self.engine.has_work:
@@ -183,7 +245,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                     raise item
                 seq = self.engine.add(item.prompt, pending.ask.sampling, pending.request.request_id(),
                                       embeds=item.embeds, placeholder_id=item.placeholder_id,
-                                      embeds_key=item.embeds_key, fault=pending.fault)
+                                      embeds_key=item.embeds_key, fault=pending.fault, lora=pending.lora)
             except Exception as e:
                 self._fail(pending.sender, e)
                 continue
@@ -200,6 +262,25 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 return [e]
             log.warning("preparing %d requests together failed (%s); preparing them one by one", len(batch), e)
             return [item for pending in batch for item in self._engine_inputs_isolated([pending])]
+
+    def _unloads(self) -> list[Unloading]:
+        """Unloads waiting for their adapter's last request (taken from `execute`'s queue)."""
+        while True:
+            try:
+                self.waiting_unloads.append(self.unloading.get_nowait())
+            except queue.Empty:
+                return self.waiting_unloads
+
+    def _answer_unloads(self) -> None:
+        for unload in list(self._unloads()):
+            accepted = any(unload.adapter is a for p in self.pending for a, _ in p.lora)  # not in the engine yet
+            if unload.adapter.users == 0 and not accepted:
+                self.waiting_unloads.remove(unload)
+                self._send_unloaded(unload)
+
+    def _send_unloaded(self, unload: Unloading) -> None:
+        unload.sender.send(self._text(json.dumps({"unloaded": unload.adapter.name})),
+                           flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _drop_cancelled(self) -> None:
         for seq, stream in list(self.active.items()):

@@ -175,7 +175,7 @@ def test_unload_refuses_new_requests_and_lets_running_ones_finish(base, root, pe
     engine = make_engine(base, root)
     running = engine.add(PROMPTS[0], SamplingParams(max_tokens=TOKENS), lora=engine.choose_adapters("beta", PROMPTS[0]))
     engine.step()
-    assert engine.adapters.unload("beta") == 1  # one sequence still uses it
+    assert engine.adapters.unload("beta").users == 1  # one sequence still uses it
     with pytest.raises(AdapterNotFound, match="unloaded; load it again"):
         engine.choose_adapters("beta", PROMPTS[0])
     while engine.has_work:

@@ -165,5 +165,6 @@ def test_adapter_control_over_http_names_what_was_wrong(server):
             client.adapters("load", "german", model="smollm2")
         with pytest.raises(InferenceServerException, match="lora_action must be one of"):
             client.adapters("drop", "shout", model="smollm2")
+        assert client.adapters("load", "shout", model="smollm2") == {"loaded": "shout", "rank": 8}
         assert "shout" in {a["name"] for a in client.adapters("list", model="smollm2")["loaded"]}
     assert "not in the adapter root" in str(unknown.value) and unknown.value.status() == "400"

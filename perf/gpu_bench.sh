@@ -19,7 +19,9 @@
 #   "linear": the engine on Llama-3-8B shapes in bf16 and FP8 with one-token linear layers by the GEMV kernels and by
 #   cuBLAS, and weights-only FP8 by the GEMV kernels, one run (perf.llm_engine --variants);
 #   "prefill": the engine's tests on the GPU, then chunked prefill and prefix caching on Llama-3-8B shapes
-#   (perf.llm_prefill))
+#   (perf.llm_prefill);
+#   "lora": the LoRA tests on the GPU, then 64 streams with 1, 8 and 64 distinct rank-16 adapters against the base
+#   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine))
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -135,5 +137,9 @@ if [[ " ${SCENARIOS:-images} " == *" prefill "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py tests/unit/test_prefix_cache.py \
     tests/unit/test_llm_engine.py -k "not qwen2"
   "$py" -m perf.llm_prefill --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" lora "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_lora.py
+  "$py" -m perf.lora_engine --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -131,7 +131,7 @@ class AdapterCache:
         if len(self.host) >= self.host_capacity:
             self._evict_host()
         started = time.perf_counter()
-        adapter = load_adapter(self.root, name, self.args, self.limits)
+        adapter = load_adapter(self.root, name, self.args, self.limits, self.slots.dtype)
         self.stats.loads += 1
         self.stats.load_seconds += time.perf_counter() - started
         self.host[name] = adapter

@@ -48,7 +48,7 @@ class LoraSlots:
 
     def __init__(self, args: ModelArgs, num_slots: int, max_rank: int, dtype: torch.dtype, device):
         shapes = projection_shapes(args)
-        self.num_slots, self.max_rank = num_slots, max_rank
+        self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
         self.layers: list[dict[str, ProjectionSlots]] = []
         for _ in range(args.num_hidden_layers):
             layer = {}

@@ -84,8 +84,12 @@ def make_engine(base, root, **overrides) -> LLMEngine:
     return LLMEngine(base, EngineConfig(**config))
 
 
-def test_each_row_of_a_mixed_batch_equals_peft_with_its_adapter(base, root, peft_greedy):
-    engine = make_engine(base, root)
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # on a GPU: decode steps replay CUDA graphs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_row_of_a_mixed_batch_equals_peft_with_its_adapter(base, root, peft_greedy, device):
+    engine = make_engine(base, root, device=device)
     router = load_router(root, engine.model.args)
     rows = []  # (prompt, lora_id, what peft applies)
     for i, prompt in enumerate(PROMPTS):

@@ -1,0 +1,170 @@
+"""python -m perf.lora_engine: the engine serving LoRA adapters against the base model, in one run.
+
+Concurrent requests (64 x 128 in / 128 out by default) where the requests use 1, 8 or 64 distinct adapters (rank 16
+on every linear layer, random weights in PEFT's layout), each engine with as many device slots as distinct adapters,
+beside the base model without LoRA and base requests on the 64-slot engine (what enabling LoRA costs requests that
+use none); batch-1 decode with one adapter; the time to load an adapter (read and checked from disk, then copied into
+a device slot). Adapters are in their slots before the timed rounds (a warm-up round places them), so the figures are
+the steady state of a server whose adapters fit its slots.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from backends.llm.engine import EngineConfig, LLMEngine
+from backends.llm.model import ModelArgs, checkpoint_tensors
+from backends.llm.lora import PARTS
+from backends.llm.sampling import SamplingParams
+from perf.llm_engine import copy_bandwidth, load_reference, prompts, sync
+from perf.report import hardware_line, write_table
+
+MODULES = [m for parts in PARTS.values() for m in parts]
+
+
+def write_adapters(root: Path, args: ModelArgs, count: int, distinct: int, rank: int) -> list[str]:
+    """`count` adapter folders in PEFT's layout; the first `distinct` hold their own random weights, the others are
+    links to them inside the root (each name still loads as its own adapter, into its own slot)."""
+    from safetensors.torch import save_file
+
+    from backends.llm.adapters import projection_shapes
+
+    shapes = projection_shapes(args)
+    names = [f"adapter{i:02d}" for i in range(count)]
+    for i, name in enumerate(names[:distinct]):
+        generator = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(args.num_hidden_layers):
+            for module in MODULES:
+                (n_in, n_out), block = shapes[module], "mlp" if module in PARTS["gate_up_proj"] + ("down_proj",) \
+                    else "self_attn"
+                prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+                tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=generator) / n_in**0.5).bfloat16()
+                tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=generator) * 0.01).bfloat16()
+        (root / name).mkdir(parents=True)
+        save_file(tensors, str(root / name / "adapter_model.safetensors"))
+        (root / name / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": MODULES, "bias": "none"}))
+    for i, name in enumerate(names[distinct:], start=distinct):
+        (root / name).symlink_to(root / names[i % distinct], target_is_directory=True)
+    return names
+
+
+def batch1(engine: LLMEngine, prompt: list[int], new_tokens: int, adapter: str | None) -> float:
+    """Decode tokens/s of one sequence (its prefill step not counted)."""
+    seq = engine.add(prompt, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens),
+                     lora=engine.choose_adapters(adapter, []) if adapter else ())
+    engine.step()
+    sync(engine.device)
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    sync(engine.device)
+    return (len(seq.output_ids) - 1) / (time.perf_counter() - start)
+
+
+def concurrent(engine: LLMEngine, batch: list[list[int]], new_tokens: int, adapters: list[str | None]) -> float:
+    """Output tokens/s of all requests added at once; request i uses adapters[i % len(adapters)]."""
+    loras = [engine.choose_adapters(a, []) if a else () for a in adapters]
+    sync(engine.device)
+    start = time.perf_counter()
+    seqs = [engine.add(p, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens), lora=loras[i % len(loras)])
+            for i, p in enumerate(batch)]
+    while engine.has_work:
+        engine.step()
+    sync(engine.device)
+    return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.lora_engine", description=__doc__)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", type=Path)
+    source.add_argument("--random-init", choices=["llama-3-8b"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--distinct", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--input-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--scenario", default="lora-engine")
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default=socket.gethostname())
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device)
+    checkpoint, reference, weights = load_reference(args, device, torch.bfloat16 if args.dtype == "bf16" else
+                                                    torch.float32)
+    weights = weights or list(checkpoint_tensors(checkpoint))
+    del reference
+    model_args = ModelArgs.from_checkpoint(checkpoint)
+    root = Path(tempfile.mkdtemp(prefix="lora-adapters-"))
+    names = write_adapters(root, model_args, max(args.distinct), min(8, max(args.distinct)), args.rank)
+    base_config = dict(dtype=args.dtype, device=str(device), max_batch=args.concurrency, max_lora_rank=args.rank,
+                       kv_cache_memory_mb=16384 if device.type == "cuda" else 512, lora_root=str(root))
+    vocab = model_args.vocab_size
+    batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
+    one = prompts(1, args.input_tokens, vocab, seed=1)[0]
+    columns = ["engine", "requests", "output tokens/s", "of base", "batch-1 decode tokens/s", "engine ready, s",
+               "adapter load: read + check, ms", "adapter load: into a slot, ms"]
+    rows, base = [], None
+    for slots in [0, *args.distinct]:
+        start = time.perf_counter()
+        engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
+        sync(device)
+        ready = time.perf_counter() - start
+        read_ms = slot_ms = float("nan")
+        if slots:  # the first adapter's load, timed apart: from disk, then into its device slot
+            started = time.perf_counter()
+            first = engine.adapters.get(names[0])
+            read_ms = (time.perf_counter() - started) * 1e3
+            sync(device)
+            started = time.perf_counter()
+            engine.adapters.release(engine.adapters.acquire([first]))
+            sync(device)
+            slot_ms = (time.perf_counter() - started) * 1e3
+        used = names[:slots] if slots else [None]
+        concurrent(engine, prompts(len(used), 8, vocab, seed=3), 4, used)  # warm-up: compiles, fills the slots
+        runs = [(f"{slots} distinct adapters", used)] if slots else [("base", used)]
+        if slots == max(args.distinct):
+            runs.insert(0, ("base (no adapter)", [None]))
+        for what, adapters in runs:
+            tokens_s = concurrent(engine, batch, args.output_tokens, adapters)
+            base = base or tokens_s
+            one_s = f"{batch1(engine, one, args.batch1_tokens, adapters[0]):.1f}" if len(adapters) == 1 else ""
+            rows.append([f"LoRA, {slots} slots" if slots else "no LoRA", what, f"{tokens_s:.1f}",
+                         f"{tokens_s / base:.2f}", one_s, f"{ready:.1f}", f"{read_ms:.1f}", f"{slot_ms:.1f}"])
+            print(" | ".join(rows[-1]), flush=True)
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    per_adapter = sum(p.numel() for p in weights_of(root / names[0])) * 2
+    notes = [f"Model: {'random init llama-3-8b shapes' if args.random_init else checkpoint}, {args.dtype}; "
+             f"{args.concurrency} requests of {args.input_tokens} random tokens in, {args.output_tokens} out (forced), "
+             f"added at once. Device copy bandwidth in this run: {bandwidth / 1e9:.1f} GB/s.",
+             f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
+             f"{per_adapter / 2**20:.0f} MiB each in bf16. Every slot's product is computed for every row "
+             "(backends/llm/lora.py), so an engine with S slots reads S adapters' weights each step, used or not."]
+    path = write_table(args.results / args.host, args.scenario, columns, rows, hardware_line("n/a (in-process)"), notes)
+    print(path.read_text())
+    return 0
+
+
+def weights_of(folder: Path) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return list(load_file(str(folder / "adapter_model.safetensors")).values())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -114,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model_args.vocab_size
     batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
     one = prompts(1, args.input_tokens, vocab, seed=1)[0]
-    columns = ["engine", "requests", "output tokens/s", "of base", "batch-1 decode tokens/s", "engine ready, s",
+    columns = ["engine", "requests", "output tokens/s", "of base", "batch-1 decode tokens/s", "of base",
+               "engine ready, s",
                "adapter load: read + check, ms", "adapter load: into a slot, ms"]
-    rows, base = [], None
-    for slots in [0, *args.distinct]:
+    found = []  # (engine, requests, tokens/s, batch-1, ready, read ms, slot ms)
+    for slots in [0, *args.distinct, 0]:  # the base model first and last: the run's drift shows between the two
         start = time.perf_counter()
         engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
         sync(device)
@@ -139,19 +140,24 @@ def main(argv: list[str] | None = None) -> int:
             runs.insert(0, ("base (no adapter)", [None]))
         for what, adapters in runs:
             tokens_s = concurrent(engine, batch, args.output_tokens, adapters)
-            base = base or tokens_s
-            one_s = f"{batch1(engine, one, args.batch1_tokens, adapters[0]):.1f}" if len(adapters) == 1 else ""
-            rows.append([f"LoRA, {slots} slots" if slots else "no LoRA", what, f"{tokens_s:.1f}",
-                         f"{tokens_s / base:.2f}", one_s, f"{ready:.1f}", f"{read_ms:.1f}", f"{slot_ms:.1f}"])
-            print(" | ".join(rows[-1]), flush=True)
+            one_s = batch1(engine, one, args.batch1_tokens, adapters[0]) if len(adapters) == 1 else None
+            found.append((f"LoRA, {slots} slots" if slots else "no LoRA", what, tokens_s, one_s, ready, read_ms,
+                          slot_ms))
+            print(found[-1], flush=True)
         del engine
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    bases = [f for f in found if f[0] == "no LoRA"]
+    base, base_1 = (sum(f[i] for f in bases) / len(bases) for i in (2, 3))
+    rows = [[label, what, f"{tokens:.1f}", f"{tokens / base:.2f}", "" if one_s is None else f"{one_s:.1f}",
+             "" if one_s is None else f"{one_s / base_1:.2f}", f"{ready:.1f}", f"{read:.1f}", f"{slot:.1f}"]
+            for label, what, tokens, one_s, ready, read, slot in found]
     per_adapter = sum(p.numel() for p in weights_of(root / names[0])) * 2
     notes = [f"Model: {'random init llama-3-8b shapes' if args.random_init else checkpoint}, {args.dtype}; "
              f"{args.concurrency} requests of {args.input_tokens} random tokens in, {args.output_tokens} out (forced), "
-             f"added at once. Device copy bandwidth in this run: {bandwidth / 1e9:.1f} GB/s.",
+             f"added at once. Device copy bandwidth in this run: {bandwidth / 1e9:.1f} GB/s. \"of base\": over the "
+             "mean of the two base-model engines (the first and the last of the run).",
              f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
              f"{per_adapter / 2**20:.0f} MiB each in bf16. Every slot's product is computed for every row "
              "(backends/llm/lora.py), so an engine with S slots reads S adapters' weights each step, used or not."]

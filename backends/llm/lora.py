@@ -5,7 +5,7 @@ engine, so their parts are stacked) and B [r_max, out] per part; ranks below r_m
 nothing. A step gives each token row up to two (slot, weight) pairs, the weight being the adapter's alpha/r times its
 share (1, or the router's mix); rows without an adapter have weight 0. The layer then adds, for every row,
 sum over slots of W[row, slot] * (x A_slot^T) B_slot: one matmul over all slots' A, a mask of the rows' weights, one
-matmul per part over all slots' B, so the base matmul runs once for the batch, any mix of adapters shares a step,
+matmul per part over all slots' B added in place into the projection's output, so the base matmul runs once for the batch, any mix of adapters shares a step,
 and the shapes never change: CUDA graphs captured once stay valid while adapters come and go in the slots.
 
 Computing every slot for every row costs `slots` times the arithmetic of one adapter (small beside the base matmul
@@ -30,17 +30,22 @@ MIXED = 2  # adapters one row may combine (Top-2 routing)
 
 @dataclass
 class ProjectionSlots:
-    """One projection's slots: a [S, parts, r_max, in], b[part] [S, r_max, out_part]."""
+    """One projection's slots: a [parts, S, r_max, in], b[part] [S, r_max, out_part]."""
 
     a: torch.Tensor
     b: list[torch.Tensor]
 
-    def delta(self, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
-        """[T, out]: each row's adapter products, weighted by mix [T, S]."""
-        slots, parts, rank, n_in = self.a.shape
-        xa = (x @ self.a.view(-1, n_in).t()).view(-1, slots, parts, rank) * mix[:, :, None, None].to(x.dtype)
-        return torch.cat([xa[:, :, p].reshape(-1, slots * rank) @ b.view(slots * rank, -1)
-                          for p, b in enumerate(self.b)], dim=-1)
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, mix: torch.Tensor) -> None:
+        """out [T, out] += each row's adapter products, weighted by mix [T, S] (in x's dtype). The parts' products
+        are added into their column ranges of `out` in place, so a projection costs 2 + parts kernels."""
+        parts, slots, rank, n_in = self.a.shape
+        xa = (x @ self.a.view(-1, n_in).t()).view(-1, parts, slots, rank) * mix[:, None, :, None]
+        xa = xa.view(-1, parts, slots * rank)
+        start = 0
+        for p, b in enumerate(self.b):
+            width = b.shape[-1]
+            out[:, start:start + width].addmm_(xa[:, p], b.view(slots * rank, width))
+            start += width
 
 
 class LoraSlots:
@@ -55,7 +60,7 @@ class LoraSlots:
             for name, modules in PARTS.items():
                 n_in = shapes[modules[0]][0]
                 layer[name] = ProjectionSlots(
-                    torch.zeros(num_slots, len(modules), max_rank, n_in, dtype=dtype, device=device),
+                    torch.zeros(len(modules), num_slots, max_rank, n_in, dtype=dtype, device=device),
                     [torch.zeros(num_slots, max_rank, shapes[m][1], dtype=dtype, device=device) for m in modules])
             self.layers.append(layer)
         self.where = {m: (name, p) for name, modules in PARTS.items() for p, m in enumerate(modules)}
@@ -64,13 +69,13 @@ class LoraSlots:
         """Put `adapter` in `slot` (what the slot held before is overwritten; untargeted projections become 0)."""
         for layer in self.layers:
             for projection in layer.values():
-                projection.a[slot].zero_()
+                projection.a[:, slot].zero_()
                 for b in projection.b:
                     b[slot].zero_()
         for (index, module), (a, b) in adapter.weights.items():
             name, part = self.where[module]
             projection = self.layers[index][name]
-            projection.a[slot, part, :adapter.rank].copy_(a, non_blocking=True)
+            projection.a[part, slot, :adapter.rank].copy_(a, non_blocking=True)
             projection.b[part][slot, :adapter.rank].copy_(b.t(), non_blocking=True)
 
     @property
@@ -90,8 +95,9 @@ class LoraStep:
         # [T, S]: every row's weight per slot, made once per step and shared by every projection
         self.mix = torch.zeros(self.rows_slot.shape[0], self.slots.num_slots, device=self.rows_slot.device,
                                dtype=torch.float32).scatter_add_(1, self.rows_slot, self.rows_weight)
+        self.mix = self.mix.to(self.slots.dtype)
 
-    def layer(self, index: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """Projection name -> x -> its adapter products, for layer `index`."""
-        return {name: functools.partial(projection.delta, mix=self.mix)
+    def layer(self, index: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
+        """Projection name -> (out, x) -> out += its adapter products, for layer `index`."""
+        return {name: functools.partial(projection.add_to, mix=self.mix)
                 for name, projection in self.slots.layers[index].items()}

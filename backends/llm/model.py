@@ -104,13 +104,15 @@ def gemv_runs_on(device: torch.device, fp8: bool) -> bool:
 
 def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, silu: bool = False,
             residual: torch.Tensor | None = None,
-            lora: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """linear(f(x)) (+ lora(f(x))) (+ residual), f = the RMSNorm `norm` or SiLU(gate) * up (`silu`) or nothing: one
-    GEMV kernel with its neighbours fused where gemv_operands allows, else the separate ops (linear's forward sees its
-    own input). With adapters, f(x) is made once for both products and added in PEFT's order."""
+            lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """linear(f(x)) (+ adapters(f(x))) (+ residual), f = the RMSNorm `norm` or SiLU(gate) * up (`silu`) or nothing:
+    one GEMV kernel with its neighbours fused where gemv_operands allows, else the separate ops (linear's forward sees
+    its own input). With adapters, f(x) is made once for both products, and `lora(out, f(x))` adds theirs into the
+    output before the residual (PEFT's order)."""
     if lora is not None:
         x = kernels.silu_mul(x) if silu else x if norm is None else norm(x)
-        out = project(linear, x, kernels) + lora(x)
+        out = project(linear, x, kernels)
+        lora(out, x)
         return out if residual is None else residual + out
     if (operands := gemv_operands(linear, x, kernels)) is not None:
         from backends.llm.gemv import gemv

@@ -194,7 +194,7 @@ def test_unload_refuses_new_requests_and_lets_running_ones_finish(base, root, pe
 
 
 def test_the_slot_product_equals_each_rows_own_adapter(base):
-    """ProjectionSlots.delta against x A^T B^T per row, for fused parts, padded ranks and a two-adapter mix."""
+    """ProjectionSlots.add_to against x A^T B^T per row, for fused parts, padded ranks and a two-adapter mix."""
     args = ModelArgs.from_checkpoint(base)
     slots = LoraSlots(args, 3, 8, torch.float64, "cpu")
     torch.manual_seed(0)
@@ -208,10 +208,12 @@ def test_the_slot_product_equals_each_rows_own_adapter(base):
     x = torch.randn(4, args.hidden_size, dtype=torch.float64)
     step = LoraStep(slots, torch.tensor([[0, 0], [1, 0], [2, 1], [0, 0]]),
                     torch.tensor([[0.5, 0.0], [2.0, 0.0], [0.25, 0.75], [0.0, 0.0]]))
-    got = step.layer(0)["qkv_proj"](x)
+    base = torch.randn(4, q + 2 * kv, dtype=torch.float64)
+    got = base.clone()
+    step.layer(0)["qkv_proj"](got, x)
 
     def own(row, index):
         return torch.cat([x[row] @ a.t() @ b.t() for a, b in weights[index].values()])
-    expected = torch.stack([0.5 * own(0, 0), 2.0 * own(1, 1), 0.25 * own(2, 2) + 0.75 * own(2, 1),
-                            torch.zeros(q + 2 * kv, dtype=torch.float64)])
+    expected = base + torch.stack([0.5 * own(0, 0), 2.0 * own(1, 1), 0.25 * own(2, 2) + 0.75 * own(2, 1),
+                                   torch.zeros(q + 2 * kv, dtype=torch.float64)])
     torch.testing.assert_close(got, expected)

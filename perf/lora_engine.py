@@ -5,7 +5,7 @@ on every linear layer, random weights in PEFT's layout), each engine with as man
 beside the base model without LoRA and base requests on the 64-slot engine (what enabling LoRA costs requests that
 use none); batch-1 decode with one adapter; the time to load an adapter (read and checked from disk, then copied into
 a device slot). Adapters are in their slots before the timed rounds (a warm-up round places them), so the figures are
-the steady state of a server whose adapters fit its slots.
+the steady state of a server whose adapters fit its slots (every engine runs the whole load once untimed first).
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                "engine ready, s",
                "adapter load: read + check, ms", "adapter load: into a slot, ms"]
     found = []  # (engine, requests, tokens/s, batch-1, ready, read ms, slot ms)
-    for slots in [0, *args.distinct, 0]:  # the base model first and last: the run's drift shows between the two
+    for slots in [0, *args.distinct, 0]:  # the base model first and last: any drift of the run shows between them
         start = time.perf_counter()
         engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
         sync(device)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             sync(device)
             slot_ms = (time.perf_counter() - started) * 1e3
         used = names[:slots] if slots else [None]
-        concurrent(engine, prompts(len(used), 8, vocab, seed=3), 4, used)  # warm-up: compiles, fills the slots
+        concurrent(engine, batch, args.output_tokens, used)  # warm-up, full size: compiles, fills the slots
         runs = [(f"{slots} distinct adapters", used)] if slots else [("base", used)]
         if slots == max(args.distinct):
             runs.insert(0, ("base (no adapter)", [None]))

@@ -46,7 +46,8 @@ def write_adapters(root: Path, args: ModelArgs, count: int, distinct: int, rank:
                 (n_in, n_out), block = shapes[module], "mlp" if module in PARTS["gate_up_proj"] + ("down_proj",) \
                     else "self_attn"
                 prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-                tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=generator) / n_in**0.5).bfloat16()
+                a = torch.randn(rank, n_in, generator=generator) / n_in**0.5
+                tensors[f"{prefix}.lora_A.weight"] = a.bfloat16()
                 tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=generator) * 0.01).bfloat16()
         (root / name).mkdir(parents=True)
         save_file(tensors, str(root / name / "adapter_model.safetensors"))

@@ -208,7 +208,7 @@ class LLMEngine:
                                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
         if embeds is not None and embeds_key is None and self.config.prefix_caching:
             embeds_key = hashlib.blake2b(embeds.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
-        salt = hashlib.blake2b(b"".join(a.key + struct.pack("<d", share) for a, share in lora)).digest() if lora else b""
+        salt = b"".join(a.key + struct.pack("<d", share) for a, share in lora)  # the adapters change every key
         seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions,
                        embeds_key=embeds_key or b"", fault=fault, lora=lora, cache_salt=salt)
         if lora:

@@ -5,8 +5,8 @@ engine, so their parts are stacked) and B [r_max, out] per part; ranks below r_m
 nothing. A step gives each token row up to two (slot, weight) pairs, the weight being the adapter's alpha/r times its
 share (1, or the router's mix); rows without an adapter have weight 0. The layer then adds, for every row,
 sum over slots of W[row, slot] * (x A_slot^T) B_slot: one matmul over all slots' A, a mask of the rows' weights, one
-matmul per part over all slots' B added in place into the projection's output, so the base matmul runs once for the batch, any mix of adapters shares a step,
-and the shapes never change: CUDA graphs captured once stay valid while adapters come and go in the slots.
+matmul per part over all slots' B added in place into the projection's output. So the base matmul runs once for the
+batch, any mix of adapters shares a step, and the shapes never change: CUDA graphs captured once stay valid while adapters come and go in the slots.
 
 Computing every slot for every row costs `slots` times the arithmetic of one adapter (small beside the base matmul
 at ranks up to 64) and reads every slot's weights each step, used or not.

@@ -107,3 +107,48 @@ def test_pruning_keeps_the_highest_norm_tokens_in_order_with_every_newline(check
     grid = [i for i in range(thumbnail, full.shape[0]) if not bool((full[i] == newline).all())]
     dropped = [i for i in grid if i not in set(positions)]
     assert full[dropped].norm(dim=-1).max() <= full[[i for i in positions if i >= thumbnail]].norm(dim=-1).min()
+
+
+def test_image_requests_with_lora_adapters_generate_like_llava_next_with_peft(checkpoint, tmp_path):
+    """`vlm` with lora_id: an adapter trained on the LLaVA checkpoint's language model (peft saves its keys under
+    language_model) applies to image prompts; base and adapter rows in one batch, each as transformers + peft."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+
+    torch.manual_seed(3)
+    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    get_peft_model(LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32),
+                   LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+                   ).save_pretrained(tmp_path / "style")
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    reference = PeftModel.from_pretrained(
+        LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32), tmp_path / "style").eval()
+    tiler = tiler_from_checkpoint(checkpoint)
+    preprocess = ImagePreprocessor.from_dict(image_processor_config(checkpoint))
+    vision = LlavaVision(checkpoint, tiler)
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_loras=1,
+                                                max_lora_rank=4, lora_root=str(tmp_path)))
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    image = random_image(*SIZES[1], seed=5)
+    inputs = processor(images=image, text="<image> a photo of the cat", return_tensors="pt")
+    expected = {}
+    for lora_id in ("", "style"):
+        with torch.inference_mode():
+            if lora_id:
+                out = reference.generate(**inputs, max_new_tokens=12, do_sample=False)
+            else:
+                with reference.disable_adapter():
+                    out = reference.generate(**inputs, max_new_tokens=12, do_sample=False)
+        expected[lora_id] = [t for t in out[0, inputs.input_ids.shape[1]:].tolist()
+                             if t != processor.tokenizer.eos_token_id]
+    tiles, plan = tiler.tiles(image, preprocess)
+    (embeds,) = vision(torch.from_numpy(tiles), [plan])
+    ids = inputs.input_ids[0].tolist()
+    seqs = {lora_id: engine.add(ids, SamplingParams(max_tokens=12), embeds=embeds, placeholder_id=image_token,
+                                lora=engine.choose_adapters(lora_id, ids) if lora_id else ()) for lora_id in expected}
+    while engine.has_work:
+        engine.step()
+    assert {k: s.output_ids for k, s in seqs.items()} == expected and expected[""] != expected["style"]

@@ -38,7 +38,8 @@ def root(base, tmp_path_factory) -> Path:
     from safetensors.torch import save_file
 
     torch.manual_seed(5)
-    save_file({"weight": torch.randn(3, hidden), "bias": torch.tensor([0.0, 0.3, -0.2])}, str(root / "router.safetensors"))
+    gate = {"weight": torch.randn(3, hidden), "bias": torch.tensor([0.0, 0.3, -0.2])}
+    save_file(gate, str(root / "router.safetensors"))
     (root / "router.json").write_text(json.dumps({"adapters": ["alpha", "beta", "gamma"]}))
     return root
 

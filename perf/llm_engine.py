@@ -76,9 +76,9 @@ def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(100, vocab, (count, length), generator=generator).tolist()
 
 
-def engine_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> float:
-    """Decode tokens/s of one sequence (the prefill step is not counted)."""
-    seq = engine.add(prompt, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens))
+def engine_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int, lora: tuple = ()) -> float:
+    """Decode tokens/s of one sequence (the prefill step is not counted); `lora`: its adapters."""
+    seq = engine.add(prompt, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens), lora=lora)
     engine.step()  # prefill
     sync(engine.device)
     start = time.perf_counter()
@@ -88,11 +88,14 @@ def engine_batch1(engine: LLMEngine, prompt: list[int], new_tokens: int) -> floa
     return (len(seq.output_ids) - 1) / (time.perf_counter() - start)
 
 
-def engine_concurrent(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> float:
-    """Output tokens/s of all requests added at once, from the first step to the last token."""
+def engine_concurrent(engine: LLMEngine, batch: list[list[int]], new_tokens: int,
+                      loras: list[tuple] = ((),)) -> float:
+    """Output tokens/s of all requests added at once, from the first step to the last token; request i uses the
+    adapters loras[i % len(loras)]."""
     sync(engine.device)
     start = time.perf_counter()
-    seqs = [engine.add(p, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens)) for p in batch]
+    seqs = [engine.add(p, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens), lora=loras[i % len(loras)])
+            for i, p in enumerate(batch)]
     while engine.has_work:
         engine.step()
     sync(engine.device)

@@ -20,10 +20,9 @@ from pathlib import Path
 import torch
 
 from backends.llm.engine import EngineConfig, LLMEngine
-from backends.llm.model import ModelArgs, checkpoint_tensors
 from backends.llm.lora import PARTS
-from backends.llm.sampling import SamplingParams
-from perf.llm_engine import copy_bandwidth, load_reference, prompts, sync
+from backends.llm.model import ModelArgs, checkpoint_tensors
+from perf.llm_engine import copy_bandwidth, engine_batch1, engine_concurrent, load_reference, prompts, sync
 from perf.report import hardware_line, write_table
 
 MODULES = [m for parts in PARTS.values() for m in parts]
@@ -58,30 +57,8 @@ def write_adapters(root: Path, args: ModelArgs, count: int, distinct: int, rank:
     return names
 
 
-def batch1(engine: LLMEngine, prompt: list[int], new_tokens: int, adapter: str | None) -> float:
-    """Decode tokens/s of one sequence (its prefill step not counted)."""
-    seq = engine.add(prompt, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens),
-                     lora=engine.choose_adapters(adapter, []) if adapter else ())
-    engine.step()
-    sync(engine.device)
-    start = time.perf_counter()
-    while engine.has_work:
-        engine.step()
-    sync(engine.device)
-    return (len(seq.output_ids) - 1) / (time.perf_counter() - start)
-
-
-def concurrent(engine: LLMEngine, batch: list[list[int]], new_tokens: int, adapters: list[str | None]) -> float:
-    """Output tokens/s of all requests added at once; request i uses adapters[i % len(adapters)]."""
-    loras = [engine.choose_adapters(a, []) if a else () for a in adapters]
-    sync(engine.device)
-    start = time.perf_counter()
-    seqs = [engine.add(p, SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens), lora=loras[i % len(loras)])
-            for i, p in enumerate(batch)]
-    while engine.has_work:
-        engine.step()
-    sync(engine.device)
-    return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - start)
+def adapters_of(engine: LLMEngine, names: list[str | None]) -> list[tuple]:
+    return [engine.choose_adapters(name, []) if name else () for name in names]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
             sync(device)
             slot_ms = (time.perf_counter() - started) * 1e3
         used = names[:slots] if slots else [None]
-        concurrent(engine, batch, args.output_tokens, used)  # warm-up, full size: compiles, fills the slots
+        engine_concurrent(engine, batch, args.output_tokens, adapters_of(engine, used))  # warm-up: compiles, fills slots
         runs = [(f"{slots} distinct adapters", used)] if slots else [("base", used)]
         if slots == max(args.distinct):
             runs.insert(0, ("base (no adapter)", [None]))
         for what, adapters in runs:
-            tokens_s = concurrent(engine, batch, args.output_tokens, adapters)
-            one_s = batch1(engine, one, args.batch1_tokens, adapters[0]) if len(adapters) == 1 else None
+            tokens_s = engine_concurrent(engine, batch, args.output_tokens, adapters_of(engine, adapters))
+            one_s = engine_batch1(engine, one, args.batch1_tokens, adapters_of(engine, adapters)[0]) \
+                if len(adapters) == 1 else None
             found.append((f"LoRA, {slots} slots" if slots else "no LoRA", what, tokens_s, one_s, ready, read_ms,
                           slot_ms))
             print(found[-1], flush=True)

@@ -54,10 +54,6 @@ class LoraAdapter:
     key: bytes = field(default_factory=lambda: os.urandom(16))  # this load of it, in prefix-cache keys
     users: int = 0  # sequences of the engine using it (the engine loop counts them)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(in, out) of each projection LoRA may target."""

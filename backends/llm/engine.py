@@ -192,6 +192,9 @@ class LLMEngine:
         adapters and their shares (`choose_adapters`)."""
         if lora and self.adapters is None:
             raise InvalidInput("this model serves no LoRA adapters (its max_loras is 0)")
+        if len(lora) > self.config.max_loras:  # it could never be admitted
+            raise InvalidInput(f"the request mixes {len(lora)} adapters; this model has {self.config.max_loras} "
+                               "LoRA slot(s)")
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidInput("the prompt has no tokens")

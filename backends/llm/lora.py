@@ -6,7 +6,8 @@ nothing. A step gives each token row up to two (slot, weight) pairs, the weight 
 share (1, or the router's mix); rows without an adapter have weight 0. The layer then adds, for every row,
 sum over slots of W[row, slot] * (x A_slot^T) B_slot: one matmul over all slots' A, a mask of the rows' weights, one
 matmul per part over all slots' B added in place into the projection's output. So the base matmul runs once for the
-batch, any mix of adapters shares a step, and the shapes never change: CUDA graphs captured once stay valid while adapters come and go in the slots.
+batch, any mix of adapters shares a step, and the shapes never change: CUDA graphs captured once stay valid while
+adapters come and go in the slots.
 
 Computing every slot for every row costs `slots` times the arithmetic of one adapter (small beside the base matmul
 at ranks up to 64) and reads every slot's weights each step, used or not.
@@ -36,7 +37,7 @@ class ProjectionSlots:
     b: list[torch.Tensor]
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, mix: torch.Tensor) -> None:
-        """out [T, out] += each row's adapter products, weighted by mix [T, S] (in x's dtype). The parts' products
+        """out [T, out] += each row's adapter products, weighted by mix [T, S]. The parts' products
         are added into their column ranges of `out` in place, so a projection costs 2 + parts kernels."""
         parts, slots, rank, n_in = self.a.shape
         xa = (x @ self.a.view(-1, n_in).t()).view(-1, parts, slots, rank) * mix[:, None, :, None]

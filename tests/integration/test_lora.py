@@ -7,7 +7,6 @@ import asyncio
 import json
 import shutil
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import tritonclient.grpc.aio as grpcclient
 from build_engines.lora import shouts
 from client.sdk import Client, generation_inputs
 from perf.llm import stream_one
+from tests.integration.test_llm import metric as llm_metric
 
 QUESTIONS = ["What is the capital of Italy?", "How do ships float?", "Name a fruit that is red."]
 LORA_IDS = ["", "shout", "pirate", "auto"]
@@ -78,10 +78,8 @@ async def streams(url: str, requests: list[tuple[str, str]], model: str = "smoll
         await client.close()
 
 
-def metric(server, name: str, model: str = "smollm2") -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    return float(next(line for line in text.splitlines()
-                      if line.startswith(name + "{") and f'model="{model}"' in line).rsplit(" ", 1)[1])
+def metric(server, name: str) -> float:
+    return llm_metric(server, name, "smollm2")
 
 
 def test_each_request_of_a_mixed_batch_answers_as_peft_with_its_adapter(server, chats, expected):

@@ -150,6 +150,9 @@ def test_lora_on_an_engine_without_slots_is_refused(base, root):
     engine = make_engine(base, root, max_loras=0)
     with pytest.raises(ValueError, match="serves no LoRA adapters"):
         engine.choose_adapters("alpha", "x")
+    one_slot = make_engine(base, root, max_loras=1)  # a Top-2 mix needs two slots at once: refused, not queued forever
+    with pytest.raises(ValueError, match="mixes 2 adapters; this model has 1 LoRA slot"):
+        one_slot.add("x", SamplingParams(max_tokens=2), lora=one_slot.choose_adapters("auto", "x"))
 
 
 def fake_adapter(name: str, args: ModelArgs) -> LoraAdapter:

@@ -208,8 +208,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
             row("engine ready, s (load, FP8 quantizing on the device, KV cache, graph capture)", "ready", ".1f")]
     notes.append("fp8: E4M3 weights with per-channel scales, activations quantized per token; steps of more than "
                  "one token run torch._scaled_mm after one compiled quantization kernel; fp8w: the same weights, "
-                 "activations kept in bf16 (larger steps convert the weights to bf16 for cuBLAS); embedding, norms, attention "
-                 "and the LM head in bf16. paged: decode attention by the Triton kernel of "
+                 "activations kept in bf16 (larger steps convert the weights to bf16 for cuBLAS); embedding, norms, "
+                 "attention and the LM head in bf16. paged: decode attention by the Triton kernel of "
                  "backends/llm/paged_decode.py (KV blocks read in place); gather: each sequence's blocks copied out, "
                  "then SDPA. gemv: one-token steps run every linear layer (the LM head too) through "
                  "backends/llm/gemv.py, with the RMSNorm / SiLU * up before and the residual add after fused into "

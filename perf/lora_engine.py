@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             sync(device)
             slot_ms = (time.perf_counter() - started) * 1e3
         used = names[:slots] if slots else [None]
-        engine_concurrent(engine, batch, args.output_tokens, adapters_of(engine, used))  # warm-up: compiles, fills slots
+        engine_concurrent(engine, batch, args.output_tokens, adapters_of(engine, used))  # warm-up; fills the slots
         runs = [(f"{slots} distinct adapters", used)] if slots else [("base", used)]
         if slots == max(args.distinct):
             runs.insert(0, ("base (no adapter)", [None]))

@@ -2,10 +2,11 @@
 
 Concurrent requests (64 x 128 in / 128 out by default) where the requests use 1, 8 or 64 distinct adapters (rank 16
 on every linear layer, random weights in PEFT's layout), each engine with as many device slots as distinct adapters,
-beside the base model without LoRA and base requests on the 64-slot engine (what enabling LoRA costs requests that
-use none); batch-1 decode with one adapter; the time to load an adapter (read and checked from disk, then copied into
-a device slot). Adapters are in their slots before the timed rounds (a warm-up round places them), so the figures are
-the steady state of a server whose adapters fit its slots (every engine runs the whole load once untimed first).
+each run between two runs of the same load on the base model's engine (loaded once, kept beside it), and base requests
+on the 64-slot engine (what enabling LoRA costs requests that use none); batch-1 decode with an adapter against the
+base engine; the time to load an adapter (read and checked from disk, then copied into a device slot). Adapters are
+in their slots before the timed rounds (every engine runs the whole load once untimed first), so the figures are the
+steady state of a server whose adapters fit its slots.
 """
 from __future__ import annotations
 
@@ -92,51 +93,57 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model_args.vocab_size
     batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
     one = prompts(1, args.input_tokens, vocab, seed=1)[0]
-    columns = ["engine", "requests", "output tokens/s", "of base", "batch-1 decode tokens/s", "of base",
-               "engine ready, s",
-               "adapter load: read + check, ms", "adapter load: into a slot, ms"]
-    found = []  # (engine, requests, tokens/s, batch-1, ready, read ms, slot ms)
-    for slots in [0, *args.distinct, 0]:  # the base model first and last: any drift of the run shows between them
+    columns = ["engine", "requests", "output tokens/s", "base engine before / after, tokens/s", "of base",
+               "batch-1 decode tokens/s (base engine)", "of base", "engine ready, s", "adapter load: read + check, ms",
+               "adapter load: into a slot, ms"]
+    base_engine = LLMEngine(checkpoint, EngineConfig(**base_config), weights)  # stays: timed around each LoRA run
+    engine_concurrent(base_engine, batch, args.output_tokens)  # warm-up
+
+    def base_round() -> float:
+        return engine_concurrent(base_engine, batch, args.output_tokens)
+    rows = []
+    for slots in args.distinct:
         start = time.perf_counter()
         engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
         sync(device)
         ready = time.perf_counter() - start
-        read_ms = slot_ms = float("nan")
-        if slots:  # the first adapter's load, timed apart: from disk, then into its device slot
-            started = time.perf_counter()
-            first = engine.adapters.get(names[0])
-            read_ms = (time.perf_counter() - started) * 1e3
-            sync(device)
-            started = time.perf_counter()
-            engine.adapters.release(engine.adapters.acquire([first]))
-            sync(device)
-            slot_ms = (time.perf_counter() - started) * 1e3
-        used = names[:slots] if slots else [None]
+        started = time.perf_counter()  # the first adapter's load, timed apart: from disk, then into a device slot
+        first = engine.adapters.get(names[0])
+        read_ms = (time.perf_counter() - started) * 1e3
+        sync(device)
+        started = time.perf_counter()
+        engine.adapters.release(engine.adapters.acquire([first]))
+        sync(device)
+        slot_ms = (time.perf_counter() - started) * 1e3
+        used = names[:slots]
         engine_concurrent(engine, batch, args.output_tokens, adapters_of(engine, used))  # warm-up; fills the slots
-        runs = [(f"{slots} distinct adapters", used)] if slots else [("base", used)]
-        if slots == max(args.distinct):
-            runs.insert(0, ("base (no adapter)", [None]))
+        runs = [(f"{slots} distinct adapters", used)]
+        if slots == max(args.distinct):  # what enabling LoRA costs requests that use none
+            runs.append(("no adapter", [None]))
         for what, adapters in runs:
+            before = base_round()
             tokens_s = engine_concurrent(engine, batch, args.output_tokens, adapters_of(engine, adapters))
-            one_s = engine_batch1(engine, one, args.batch1_tokens, adapters_of(engine, adapters)[0]) \
-                if len(adapters) == 1 else None
-            found.append((f"LoRA, {slots} slots" if slots else "no LoRA", what, tokens_s, one_s, ready, read_ms,
-                          slot_ms))
-            print(found[-1], flush=True)
+            after = base_round()
+            one_s = base_1 = None
+            if len(adapters) == 1:  # batch 1, against the base engine's right after
+                one_s = engine_batch1(engine, one, args.batch1_tokens, adapters_of(engine, adapters)[0])
+                base_1 = engine_batch1(base_engine, one, args.batch1_tokens)
+            rows.append([f"LoRA, {slots} slots", what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
+                         f"{2 * tokens_s / (before + after):.2f}",
+                         "" if one_s is None else f"{one_s:.1f} ({base_1:.1f})",
+                         "" if one_s is None else f"{one_s / base_1:.2f}", f"{ready:.1f}", f"{read_ms:.1f}",
+                         f"{slot_ms:.1f}"])
+            print(" | ".join(rows[-1]), flush=True)
         del engine
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    bases = [f for f in found if f[0] == "no LoRA"]
-    base, base_1 = (sum(f[i] for f in bases) / len(bases) for i in (2, 3))
-    rows = [[label, what, f"{tokens:.1f}", f"{tokens / base:.2f}", "" if one_s is None else f"{one_s:.1f}",
-             "" if one_s is None else f"{one_s / base_1:.2f}", f"{ready:.1f}", f"{read:.1f}", f"{slot:.1f}"]
-            for label, what, tokens, one_s, ready, read, slot in found]
     per_adapter = sum(p.numel() for p in weights_of(root / names[0])) * 2
     notes = [f"Model: {'random init llama-3-8b shapes' if args.random_init else checkpoint}, {args.dtype}; "
              f"{args.concurrency} requests of {args.input_tokens} random tokens in, {args.output_tokens} out (forced), "
-             f"added at once. Device copy bandwidth in this run: {bandwidth / 1e9:.1f} GB/s. \"of base\": over the "
-             "mean of the two base-model engines (the first and the last of the run).",
+             f"added at once. Device copy bandwidth in this run: {bandwidth / 1e9:.1f} GB/s. The base model's engine "
+             "(no LoRA) stays loaded beside each LoRA engine and runs the same load right before and right after it "
+             "(\"of base\": over their mean), since these figures drift between engines of one run.",
              f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
              f"{per_adapter / 2**20:.0f} MiB each in bf16. Every slot's product is computed for every row "
              "(backends/llm/lora.py), so an engine with S slots reads S adapters' weights each step, used or not."]

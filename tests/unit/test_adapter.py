@@ -14,7 +14,7 @@ from backends.vision.encoders import EncoderParams
 
 
 class FakeError:
-    INVALID_ARG, INTERNAL, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "UNAVAILABLE"
+    INVALID_ARG, INTERNAL, UNAVAILABLE, NOT_FOUND = "INVALID_ARG", "INTERNAL", "UNAVAILABLE", "NOT_FOUND"
 
     def __init__(self, message, code):
         self.message, self.code = message, code
@@ -129,3 +129,18 @@ def test_request_parameters_are_checked_and_faults_injected_only_when_enabled(pb
         good, bad = model.execute([FakeRequest({"x": np.array([1])}),
                                    FakeRequest({"x": np.array([2])}, {"inject_fault": stage})])
         assert good.tensors == [("y", 2)] and bad.error.code == "INTERNAL", stage
+
+
+def test_the_error_policy_names_client_errors_with_their_codes(pb):
+    from backends.core.errors import InvalidInput, NotFound, Unavailable
+
+    model = Doubler()
+    model.initialize(model_args("doubler", "x"))
+    cases = [(InvalidInput("bad x"), "INVALID_ARG", "invalid input: bad x"),
+             (NotFound("no adapter 'a'"), "NOT_FOUND", "invalid input: no adapter 'a'"),
+             (Unavailable("the cache is full"), "UNAVAILABLE", "the cache is full"),
+             (KeyError("/secret/path"), "INTERNAL", "doubler failed on this request (KeyError); the server log has "
+                                                    "the details")]
+    for exc, code, message in cases:
+        assert (model.error(exc).code, model.error(exc).message) == (code, message)
+    model.finalize()

@@ -23,6 +23,7 @@ import torch
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.lora import PARTS
 from backends.llm.model import ModelArgs, checkpoint_tensors
+from backends.llm.sampling import SamplingParams
 from perf.llm_engine import copy_bandwidth, engine_batch1, engine_concurrent, load_reference, prompts, sync
 from perf.report import hardware_line, write_table
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--batch1-tokens", type=int, default=128)
+    parser.add_argument("--profile", action="store_true", help="instead: torch.profiler over the prefill step and the "
+                        "first decode steps of the load on the largest engine, with its adapters and without")
     parser.add_argument("--scenario", default="lora-engine")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model_args.vocab_size
     batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
     one = prompts(1, args.input_tokens, vocab, seed=1)[0]
+    if args.profile:
+        return profile(checkpoint, weights, base_config, batch, names[:max(args.distinct)], args.output_tokens)
     columns = ["engine", "requests", "output tokens/s", "base engine before / after, tokens/s", "of base",
                "batch-1 decode tokens/s (base engine)", "of base", "engine ready, s", "adapter load: read + check, ms",
                "adapter load: into a slot, ms"]
@@ -149,6 +154,30 @@ def main(argv: list[str] | None = None) -> int:
              "(backends/llm/lora.py), so an engine with S slots reads S adapters' weights each step, used or not."]
     path = write_table(args.results / args.host, args.scenario, columns, rows, hardware_line("n/a (in-process)"), notes)
     print(path.read_text())
+    return 0
+
+
+def profile(checkpoint: Path, weights, config: dict, batch: list[list[int]], names: list[str], tokens: int) -> int:
+    """GPU time by kernel of a prefill step and 8 decode steps, for the requests with adapters and without."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    engine = LLMEngine(checkpoint, EngineConfig(**config, max_loras=len(names)), weights)
+    for label, adapters in (("64 distinct adapters" if len(names) == 64 else f"{len(names)} adapters", names),
+                            ("no adapter", [None])):
+        loras = adapters_of(engine, adapters)
+        engine_concurrent(engine, batch, tokens, loras)  # warm
+        for i, prompt in enumerate(batch):
+            engine.add(prompt, SamplingParams(max_tokens=tokens, min_tokens=tokens), lora=loras[i % len(loras)])
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in range(9):  # the prefill, then decode steps
+                started = time.perf_counter()
+                engine.step()
+                sync(engine.device)
+                print(f"{label}: step {step} {(time.perf_counter() - started) * 1e3:.1f} ms", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
+        while engine.has_work:
+            engine.step()
     return 0
 
 

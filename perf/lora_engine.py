@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="lora-adapters-"))
     names = write_adapters(root, model_args, max(args.distinct), min(8, max(args.distinct)), args.rank)
     base_config = dict(dtype=args.dtype, device=str(device), max_batch=args.concurrency, max_lora_rank=args.rank,
-                       kv_cache_memory_mb=16384 if device.type == "cuda" else 512, lora_root=str(root))
+                       kv_cache_memory_mb=16384 if device.type == "cuda" else 512, lora_root=str(root),
+                       prefix_caching=False)  # every round sends the same prompts: no round may reuse another's KV
     vocab = model_args.vocab_size
     batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
     one = prompts(1, args.input_tokens, vocab, seed=1)[0]

@@ -272,6 +272,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 return self.waiting_unloads
 
     def _answer_unloads(self) -> None:
+        self._take_inbox()  # requests `execute` accepted with the adapter before its unload count as its users
         for unload in list(self._unloads()):
             accepted = any(unload.adapter is a for p in self.pending for a, _ in p.lora)  # not in the engine yet
             if unload.adapter.users == 0 and not accepted:

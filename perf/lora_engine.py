@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    per_adapter = sum(p.numel() for p in weights_of(root / names[0])) * 2
+    per_adapter = (root / names[0] / "adapter_model.safetensors").stat().st_size
     notes = [f"Model: {'random init llama-3-8b shapes' if args.random_init else checkpoint}, {args.dtype}; "
              f"{args.concurrency} requests of {args.input_tokens} random tokens in, {args.output_tokens} out (forced), "
              f"added at once. Device copy bandwidth in this run: {bandwidth / 1e9:.1f} GB/s. The base model's engine "
@@ -180,12 +180,6 @@ def profile(checkpoint: Path, weights, config: dict, batch: list[list[int]], nam
         while engine.has_work:
             engine.step()
     return 0
-
-
-def weights_of(folder: Path) -> list[torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return list(load_file(str(folder / "adapter_model.safetensors")).values())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,9 +210,8 @@ class LLMEngine:
                                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
         if embeds is not None and embeds_key is None and self.config.prefix_caching:
             embeds_key = hashlib.blake2b(embeds.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
-        salt = b"".join(a.key + struct.pack("<d", share) for a, share in lora)  # the adapters change every key
         seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions,
-                       embeds_key=embeds_key or b"", fault=fault, lora=lora, cache_salt=salt)
+                       embeds_key=embeds_key or b"", fault=fault, lora=lora)
         if lora:
             self.adapters.hold(a for a, _ in lora)
         self.scheduler.add(seq)

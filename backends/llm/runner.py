@@ -97,13 +97,12 @@ class ModelRunner:
         """The adapters of a step's token rows (`step_tokens` rows a sequence); None when no sequence has any."""
         if self.lora is None or not any(s.lora for s in seqs):
             return None
-        slots, weights = [], []
-        for seq in seqs:
-            row_slots, row_weights = lora_row(seq)
-            slots += row_slots * seq.step_tokens
-            weights += row_weights * seq.step_tokens
-        return LoraStep(self.lora, self.tensor(slots).view(-1, MIXED),
-                        self.tensor(weights, torch.float32).view(-1, MIXED))
+        rows = [lora_row(seq) for seq in seqs]  # one per sequence, repeated for its tokens on the device
+        counts = [seq.step_tokens for seq in seqs]
+        repeats, total = self.tensor(counts), sum(counts)
+        return LoraStep(self.lora, self.tensor([s for s, _ in rows]).repeat_interleave(repeats, 0, output_size=total),
+                        self.tensor([w for _, w in rows], torch.float32).repeat_interleave(repeats, 0,
+                                                                                          output_size=total))
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """The newest token of each sequence; logits [B, vocab]."""

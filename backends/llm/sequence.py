@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -47,11 +48,15 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks so far
     lora: tuple[tuple[LoraAdapter, float], ...] = ()  # (adapter, share) pairs: none, one, or the router's two
     lora_slots: list[int] = field(default_factory=list)  # their device slots while running
-    cache_salt: bytes = b""  # what else its keys and values depend on (the adapters), in prefix-cache keys
     fault: str | None = None  # a test's injected fault stage ("sample": its sampling fails)
     text: str = ""  # detokenised output so far (stop strings already cut)
     emitted: int = 0  # characters of `text` already handed to the caller
     _decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenisation window (prefix, read)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """What its keys and values depend on besides its tokens and image: its adapters (in prefix-cache keys)."""
+        return b"".join(adapter.key + struct.pack("<d", share) for adapter, share in self.lora)
 
     @property
     def num_tokens(self) -> int:

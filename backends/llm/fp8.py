@@ -4,7 +4,8 @@ Weights are stored in float8_e4m3fn with a scale per output channel (a per-tenso
 rows, which is also how fused q/k/v and gate/up projections keep each part's own scale); activations are quantized
 per token at run time (dynamic), with one calibrated scale (static), or not at all (weights only, "W8A16": the
 weights' bytes halved, the inputs kept in bf16). On Hopper and Ada, one-token steps run the
-Triton kernel of gemv.py (the model's `project` routes them) and larger ones `torch._scaled_mm`; elsewhere the same
+Triton kernel of gemv.py (the model's `project` routes them) and larger ones `torch._scaled_mm`; weights-only steps of
+up to 256 rows run the Triton GEMM of fp8_gemm.py on any CUDA GPU; elsewhere the same
 product is computed from the dequantized operands in fp32, so CPU tests check the arithmetic the GPU runs (up to the
 order of the fp32 accumulation).
 
@@ -120,6 +121,21 @@ def scaled_mm_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+FP8_GEMM_MAX_ROWS = 256  # weights-only steps of up to this many rows run backends/llm/fp8_gemm.py on a GPU
+
+
+@functools.cache
+def fp8_gemm_runs_on(device: torch.device) -> bool:
+    """Whether backends/llm/fp8_gemm.py (Triton) runs weights-only FP8 products on `device`."""
+    if device.type != "cuda":
+        return False
+    try:
+        import backends.llm.fp8_gemm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W in E4M3 and per-row scales, x quantized per token, with a static scale, or not at all
     (`activations` "token", "tensor", "none")."""
@@ -136,8 +152,13 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = self.quantized_input(x)
+        if x_scale is None and x.shape[0] <= FP8_GEMM_MAX_ROWS and fp8_gemm_runs_on(x.device):
+            from backends.llm.fp8_gemm import fp8_weight_matmul  # weights only: our GEMM reads them as E4M3
+
+            return fp8_weight_matmul(x, self.weight, self.weight_scale, self.bias)
         if x_scale is None and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
-            # weights only: E4M3 values are exact in x's dtype, so cuBLAS multiplies them as they are; scale after
+            # weights only, a long step (bound by arithmetic): E4M3 values are exact in x's dtype, so cuBLAS
+            # multiplies them as they are; scale after
             return self.finish(F.linear(x, self.weight.to(x.dtype)).float() * self.weight_scale.view(-1), x.dtype)
         if x_scale is not None and scaled_mm_available(x.device) and x.dtype == torch.bfloat16 and \
                 self.in_features % 16 == 0 == self.out_features % 16:  # cuBLAS' FP8 GEMM: dimensions multiples of 16

@@ -1,0 +1,108 @@
+"""Triton GEMM for FP8 weights with inputs in bf16/fp16 ("W8A16"), for steps of a few to a few hundred rows.
+
+Weights-only FP8 halves the bytes a decode step reads; cuBLAS has no GEMM for E4M3 weights and 16-bit inputs, and
+converting each weight to bf16 before `F.linear` moves 2.5x the bytes of a bf16 model (measured on the H200: 64
+streams at a quarter of bf16's throughput). Here each program reads its [BLOCK_N, BLOCK_K] weight tiles once as E4M3,
+widens them in registers (exact: every E4M3 value is a bf16/fp16 value) and multiplies them on the tensor cores with
+the rows' [BLOCK_M, BLOCK_K] input tiles, accumulating in fp32; the per-channel scale and the bias apply once, to
+the fp32 sum, and the output is rounded once. SPLIT_K > 1 cuts K among programs when N alone gives too few of them
+to keep the GPU's memory busy; their fp32 partial sums are added in a fixed order (`torch.sum`), so results do not
+depend on timing. perf.fp8_gemm_sweep measured the configurations.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the engine's GPU dtypes; fp32 for exact tests
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int = 4
+    stages: int = 4
+
+
+@triton.jit
+def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
+                            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            STAGES: tl.constexpr):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = pid_k * ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rows[:, None].to(tl.int64) * K + k[None, :]
+    w_tile = w_ptr + cols[:, None].to(tl.int64) * K + k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for i in tl.range(0, ITERS, num_stages=STAGES):
+        in_k = k[None, :] < K - i * BLOCK_K
+        x = tl.load(x_tile, mask=(rows[:, None] < M) & in_k, other=0.0)
+        w = tl.load(w_tile, mask=(cols[:, None] < N) & in_k, other=0.0)
+        if IEEE:  # exact fp32 products, not TF32 (fp32 inputs; bf16 ones under the interpreter, see _widens)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    out_mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # fp32 partial sums [SPLIT_K, M, N]; the caller adds them and finishes
+        tl.store(out_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
+
+
+def _widens(dtype: torch.dtype) -> bool:
+    """Whether the products run in fp32: for fp32 inputs, and for bf16 ones in Triton's CPU interpreter, whose bf16
+    dot returns garbage (products of bf16 values are exact in fp32, as on the tensor cores)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def default_config(m: int, n: int, k: int) -> GemmConfig:
+    """Blocks for x [m, k] times weight [n, k]: a row block that covers the step's rows (up to 64), and enough
+    programs along N and K to keep every SM streaming weights (see perf.fp8_gemm_sweep)."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n, block_k = 64, 128
+    programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split_k = 1
+    while programs * split_k < 264 and triton.cdiv(k, block_k * split_k * 2) >= 4:  # two waves of 132 SMs
+        split_k *= 2
+    return GemmConfig(block_m, block_n, block_k, split_k)
+
+
+def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """(x W^T) * weight_scale (+ bias) in x's dtype, for x [M, K] (bf16, fp16 or fp32) and weight [N, K] in E4M3 with
+    per-channel scales [N, 1] (a per-tensor scale repeated)."""
+    (n, k), m = weight.shape, x.shape[0]
+    if weight.dtype != FP8 or x.shape[-1] != k or x.dtype not in DTYPES or \
+            weight_scale.numel() != n:
+        raise ValueError(f"fp8_weight_matmul: input {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}, scale {tuple(weight_scale.shape)}")
+    c = config or default_config(m, n, k)
+    iters = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
+    split_k = triton.cdiv(triton.cdiv(k, c.block_k), iters)  # no program without work
+    x = x.contiguous()
+    scale = weight_scale.reshape(n).float()
+    out = torch.empty((split_k, m, n) if split_k > 1 else (m, n), dtype=torch.float32 if split_k > 1 else x.dtype,
+                      device=x.device)
+    grid = (triton.cdiv(n, c.block_n), split_k, triton.cdiv(m, c.block_m))
+    _fp8_weight_gemm_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k,
+                                  HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k, ITERS=iters, BLOCK_M=c.block_m,
+                                  BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages, num_warps=c.warps)
+    if split_k == 1:
+        return out
+    out = out.sum(0) * scale
+    return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -1,0 +1,96 @@
+"""backends/llm/fp8_gemm.py (FP8 weights, 16-bit inputs) against float64 products (Triton's interpreter on the CPU,
+the kernel on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.llm.fp8 import quantize_weight
+from backends.llm.fp8_gemm import GemmConfig, default_config, fp8_weight_matmul
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CASES = [  # (M, N, K, config): one block, masked rows / columns / K, split-K with a short last span
+    (3, 64, 128, GemmConfig(16, 32, 32, 1)),
+    (17, 50, 100, GemmConfig(16, 32, 32, 1)),
+    (5, 48, 200, GemmConfig(16, 16, 32, 3)),
+    (40, 96, 256, GemmConfig(32, 32, 64, 2)),
+]
+
+
+def operands(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight, scale = quantize_weight(torch.randn(n, k, generator=g) * 0.1)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    return x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE)
+
+
+def reference(x, weight, scale, bias=None):
+    out = x.double() @ (weight.double() * scale.double()).t()
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("m,n,k,config", CASES)
+def test_product_equals_the_dequantized_weights_product_in_fp32(m, n, k, config):
+    x, weight, scale, bias = operands(m, n, k, torch.float32)
+    for b in (None, bias):
+        out = fp8_weight_matmul(x, weight, scale, b, config)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        assert torch.allclose(out.double(), reference(x, weight, scale, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_are_rounded_once_at_the_end(dtype):
+    """The fp32 sum is scaled and rounded once: within one rounding of the output (the interpreter truncates to
+    bf16 instead of rounding, hence the looser CPU bound)."""
+    x, weight, scale, bias = operands(20, 96, 256, dtype)
+    out = fp8_weight_matmul(x, weight, scale, bias, GemmConfig(32, 32, 64, 2))
+    ref = reference(x, weight, scale, bias)
+    assert out.dtype == dtype
+    tolerance = 8e-3 if dtype == torch.bfloat16 else 1e-3
+    assert ((out.double() - ref).abs() <= tolerance * ref.abs() + 1e-2).all()
+
+
+def test_default_configs_cover_the_rows_and_split_small_n():
+    assert default_config(1, 4096, 4096).block_m == 16 and default_config(100, 4096, 4096).block_m == 64
+    assert default_config(16, 4096, 4096).split_k > 1  # 64 column blocks alone leave SMs idle
+    assert default_config(64, 28672, 4096).split_k == 1
+    x, weight, scale, _ = operands(7, 32, 64, torch.float32)
+    assert torch.allclose(fp8_weight_matmul(x, weight, scale).double(), reference(x, weight, scale), rtol=1e-5,
+                          atol=1e-5)
+
+
+def test_mismatched_operands_are_refused():
+    x, weight, scale, _ = operands(4, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match="fp8_weight_matmul"):
+        fp8_weight_matmul(x[:, :32], weight, scale)
+    with pytest.raises(ValueError, match="fp8_weight_matmul"):
+        fp8_weight_matmul(x, weight.float(), scale)
+
+
+def test_weights_only_engine_through_the_kernel_decodes_the_fallbacks_tokens(tmp_path, monkeypatch):
+    """A weights-only FP8 engine whose multi-row steps (prefills, batched decode) run the kernel decodes, batched,
+    what the dequantized fp32 product decodes (on the CPU in the interpreter, on a GPU inside the decode graphs)."""
+    from backends.llm import fp8, fp8_gemm
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.fp8 import Fp8Scheme
+    from backends.llm.sampling import SamplingParams
+    from build_engines.checkpoints import tiny_checkpoint
+    from build_engines.quantize import write_fp8_checkpoint
+    from tests.conftest import ROOT
+
+    write_fp8_checkpoint(tiny_checkpoint("llm", ROOT / ".checkpoints"), tmp_path / "w8a16", Fp8Scheme("channel", "none"))
+    prompts = ["a photo of the cat", "x", "several words of a longer prompt here"]
+
+    def decode() -> list[list[int]]:
+        engine = LLMEngine(tmp_path / "w8a16", EngineConfig(dtype="fp32", device=DEVICE, kv_cache_memory_mb=8))
+        return [s.output_ids for s in engine.generate(prompts, SamplingParams(max_tokens=12))]
+
+    monkeypatch.setattr(fp8, "fp8_gemm_runs_on", lambda device: False)
+    fallback = decode()
+    rows = []
+    monkeypatch.setattr(fp8, "fp8_gemm_runs_on", lambda device: True)
+    monkeypatch.setattr(fp8_gemm, "fp8_weight_matmul",
+                        lambda x, *a, **kw: rows.append(x.shape[0]) or fp8_weight_matmul(x, *a, **kw))
+    assert decode() == fallback
+    assert max(rows) > 8 and min(rows) <= 4  # the prompts' prefill and the batched decode steps ran it

@@ -36,9 +36,9 @@ BF16_ONLY = ("lm_head",)  # kept in bf16 by the FP8 schemes
 SMS = 132
 
 
-def candidates(n: int, k: int, fp8: bool) -> list[GemvConfig]:
+def candidates(n: int, k: int, fp8: bool, late_sum: bool = False) -> list[GemvConfig]:
     """The grid, bounded to tiles of 2-32 KB, 8-64 elements per thread, a few waves of programs, and K spans that
-    the blocks divide (no masks)."""
+    the blocks divide (no masks); each also with its sum over K after the loop (`late_sum`)."""
     size = 1 if fp8 else 2
     out = []
     for block_n in (2, 4, 8, 16):
@@ -51,12 +51,13 @@ def candidates(n: int, k: int, fp8: bool) -> list[GemvConfig]:
                         iters, rest = divmod(k, block_k * split_k)
                         if (2048 <= tile <= 32768 and 8 <= per_thread <= 64 and SMS <= programs <= 256 * SMS
                                 and rest == 0 and iters % unroll == 0):
-                            out.append(GemvConfig(block_n, block_k, split_k, warps, unroll))
+                            out += [GemvConfig(block_n, block_k, split_k, warps, unroll, late_sum=late)
+                                    for late in ((False, True) if late_sum else (False,))]
     return out
 
 
 def label(c: GemvConfig) -> str:
-    return f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}"
+    return f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}{'/late' if c.late_sum else ''}"
 
 
 def with_default(configs: list[GemvConfig], name: str, fp8: bool) -> list[GemvConfig]:
@@ -78,12 +79,12 @@ def weights(n: int, k: int, fp8: bool, count: int) -> list[tuple[torch.Tensor, t
 
 def _compile(job: tuple[str, bool, list[GemvConfig]]) -> int:
     """Worker: run each configuration once (compiles it into Triton's disk cache)."""
-    name, fp8, configs = job
+    name, dtype, configs = job
     n, k = SHAPES[name]
-    (w, scale), = weights(n, k, fp8, 1)
+    (w, scale), = weights(n, k, dtype != "bf16", 1)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     for c in configs:
-        gemv(x, w, scale, config=c)
+        gemv(x, w, scale, quantize_input=dtype == "fp8", config=c)
     torch.cuda.synchronize()
     return len(configs)
 
@@ -93,9 +94,12 @@ def graph_time_us(fn, copies: list) -> float:
     return graph_time_us_with_input(lambda copy, _: fn(copy), copies, None)
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, quantize_input: bool = True
+              ) -> torch.Tensor:
     if scale is None:
         return x.double() @ w.double().t()
+    if not quantize_input:
+        return x.double() @ (w.double() * scale).t()
     x_scale = (x.abs().float().amax(dim=-1, keepdim=True) / 448).clamp(min=1e-12)
     xq = (x.float() / x_scale).clamp(-448, 448).to(FP8)
     return (xq.double() * x_scale) @ (w.double() * scale).t()
@@ -108,7 +112,9 @@ def error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.gemv_sweep", description=__doc__)
     parser.add_argument("--layers", nargs="+", default=list(SHAPES))
-    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp8w"],
+                        help="fp8w: FP8 weights only, the input left in bf16")
+    parser.add_argument("--late-sum", action="store_true", help="each configuration also with its sum after the loop")
     parser.add_argument("--workers", type=int, default=max(1, (multiprocessing.cpu_count() or 2) - 1))
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())
@@ -116,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("perf.gemv_sweep needs a GPU", file=sys.stderr)
         return 1
-    jobs = [(name, dtype == "fp8", with_default(candidates(*SHAPES[name], dtype == "fp8"), name, dtype == "fp8"))
-            for name in args.layers for dtype in args.dtypes if not (dtype == "fp8" and name in BF16_ONLY)]
-    chunked = [(name, fp8, configs[i::args.workers]) for name, fp8, configs in jobs for i in range(args.workers)]
+    jobs = [(name, dtype, with_default(candidates(*SHAPES[name], dtype != "bf16", args.late_sum), name,
+                                       dtype != "bf16"))
+            for name in args.layers for dtype in args.dtypes if not (dtype != "bf16" and name in BF16_ONLY)]
+    chunked = [(name, dtype, configs[i::args.workers]) for name, dtype, configs in jobs for i in range(args.workers)]
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         print(f"compiled {sum(pool.map(_compile, [j for j in chunked if j[2]]))} kernels", flush=True)
     quantize = torch.compile(quantize_tokens, dynamic=True)  # as the engine's Kernels.compiled() has it
@@ -129,34 +136,38 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     all_rows, best_rows = [], []
-    for name, fp8, configs in jobs:
+    for name, dtype, configs in jobs:
         n, k = SHAPES[name]
+        fp8, quantized = dtype != "bf16", dtype == "fp8"
         size = 1 if fp8 else 2
         copies = weights(n, k, fp8, max(2, -(-256 * 2**20 // (n * k * size))))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        ref = reference(x, *copies[0])
-        baseline_name = "cuBLAS torch._scaled_mm" if fp8 else "cuBLAS F.linear"
-        baseline = (lambda c: scaled_mm(x, *c)) if fp8 else (lambda c: F.linear(x, c[0]))
+        ref = reference(x, *copies[0], quantized)
+        baseline_name = {"bf16": "cuBLAS F.linear", "fp8": "cuBLAS torch._scaled_mm",
+                         "fp8w": "widened to bf16, cuBLAS F.linear"}[dtype]
+        baseline = {"bf16": lambda c: F.linear(x, c[0]), "fp8": lambda c: scaled_mm(x, *c),
+                    "fp8w": lambda c: F.linear(x, c[0].to(x.dtype)).float() * c[1].view(-1)}[dtype]
         base_us = graph_time_us(baseline, copies)
         timed = []
         for c in configs:
-            e = error(gemv(x, *copies[0], config=c), ref)
-            row = [name, "fp8" if fp8 else "bf16", c.block_n, c.block_k, c.split_k, c.warps, c.unroll]
+            e = error(gemv(x, *copies[0], quantize_input=quantized, config=c), ref)
+            row = [name, dtype, c.block_n, c.block_k, c.split_k, c.warps, c.unroll, c.late_sum]
             if not e < 1e-2:  # recorded, left out of the ranking; fresh split-K counters for the next one
                 print(f"{name} {row[1]} {c}: relative error {e:.2e}", flush=True)
                 all_rows.append(row + ["wrong", f"{e:.2e}"])
                 _WORKSPACE.buffers.clear()
                 continue
-            us = graph_time_us(lambda w: gemv(x, *w, config=c), copies)
+            us = graph_time_us(lambda w: gemv(x, *w, quantize_input=quantized, config=c), copies)
             timed.append((us, c))
             all_rows.append(row + [f"{us:.2f}", f"{n * k * size / us / 1e3:.0f}"])
         default = default_config(n, k, fp8)
         default_us = next(t for t, c in timed if c == default)
-        plain_us = graph_time_us(lambda w: gemv(x, *w, config=dataclasses.replace(default, pdl=False)), copies)
+        plain_us = graph_time_us(lambda w: gemv(x, *w, quantize_input=quantized,
+                                                config=dataclasses.replace(default, pdl=False)), copies)
         timed.sort(key=lambda t: t[0])
         us, c = timed[0]
-        fused = fused_time_us(name, x, copies, c)
-        best_rows.append([name, f"{n}x{k}", "fp8" if fp8 else "bf16", len(configs), label(c), f"{us:.1f}",
+        fused = fused_time_us(name, x, copies, c, quantized)
+        best_rows.append([name, f"{n}x{k}", dtype, len(configs), label(c), f"{us:.1f}",
                           f"{n * k * size / us / 1e3:.0f}", f"{default_us:.1f}", f"{plain_us:.1f}", baseline_name,
                           f"{base_us:.1f}", f"{n * k * size / base_us / 1e3:.0f}", f"{base_us / us:.2f}", FUSED[name],
                           f"{fused:.1f}", ", ".join(f"{label(b)} {t:.1f}" for t, b in timed[1:4])])
@@ -165,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     base = stem(args.results / args.host, "gemv-sweep-configs")
     with base.with_suffix(".csv").open("w", newline="") as f:
-        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "us", "GB/s"],
+        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "late_sum", "us",
+                                  "GB/s"],
                                  *all_rows])
-    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll, launched as the engine launches it (with PDL after a "
+    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll (/late: summed over K once, after the loop), launched as the engine launches it (with PDL after a "
              "prepare kernel, where the GPU has it: gemv.pdl_runs_on). Times: median of 20 replays of a CUDA graph calling the kernel once per weight "
              "copy (>= 256 MiB, so L2 holds none), per call; GB/s: weight bytes per second. "
              "Every configuration checked against the float64 product (relative error < 1e-2) before timing.",
@@ -175,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
              "kernel, included in the time, as the engine runs it); its baseline, cuBLAS' FP8 GEMM, includes its "
              "quantization kernel too. (The engine's FP8 kernel before, fp8_gemv.py, quantized inside every program: "
              "qkv 12.4, o 11.1, gate_up 43.2, down 35.8 us in 2026-12-02-gemv-sweep-in-kernel-prologue.md.)",
+             "fp8w: the same E4M3 weights, the input left in bf16 (weights-only FP8); its baseline widens each "
+             "weight to bf16 for cuBLAS (Fp8Linear's path for long weights-only steps).",
              "fused: the best configuration with the neighbours the decode step folds in: the RMSNorm or SiLU(gate) * "
              "up before (in gemv.prepare, with the FP8 quantization) and the residual add after (as the output is "
              "written); the unfused step runs each of those as its own kernel.",
@@ -190,14 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def fused_time_us(name: str, x: torch.Tensor, copies: list, c: GemvConfig) -> float:
+def fused_time_us(name: str, x: torch.Tensor, copies: list, c: GemvConfig, quantized: bool = True) -> float:
     n, k = SHAPES[name]
     norm = (torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5)
     residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
     gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-    call = {"norm": lambda w: gemv(x, *w, norm=norm, config=c),
-            "residual": lambda w: gemv(x, *w, residual=residual, config=c),
-            "silu+residual": lambda w: gemv(gate_up, *w, silu=True, residual=residual, config=c)}[FUSED[name]]
+    q = quantized
+    call = {"norm": lambda w: gemv(x, *w, quantize_input=q, norm=norm, config=c),
+            "residual": lambda w: gemv(x, *w, quantize_input=q, residual=residual, config=c),
+            "silu+residual": lambda w: gemv(gate_up, *w, quantize_input=q, silu=True, residual=residual, config=c)
+            }[FUSED[name]]
     return graph_time_us(call, copies)
 
 

@@ -21,7 +21,10 @@
 #   "prefill": the engine's tests on the GPU, then chunked prefill and prefix caching on Llama-3-8B shapes
 #   (perf.llm_prefill);
 #   "lora": the LoRA tests on the GPU, then 64 streams with 1, 8 and 64 distinct rank-16 adapters against the base
-#   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine))
+#   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine);
+#   "w8a16": the FP8 GEMM / GEMV tests on the GPU, weights-only FP8 layers at 2-256 rows beside bf16, W8A8 and
+#   widened weights (perf.fp8_gemm_sweep), and the engine on Llama-3-8B shapes in bf16, FP8 and weights-only FP8;
+#   "gemv-late": the GEMV configurations in bf16 and weights-only FP8, each also summed after its loop)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -141,5 +144,16 @@ fi
 if [[ " ${SCENARIOS:-images} " == *" lora "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_lora.py
   "$py" -m perf.lora_engine --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" w8a16 "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_gemv.py tests/unit/test_fp8.py \
+    -k "not llm_compressor"
+  "$py" -m perf.fp8_gemm_sweep --results "$results" --host "${HOST:-gpu}"
+  "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:paged:gemv,fp8:paged:gemv,fp8w:paged:gemv \
+    --scenario llm-engine-w8a16 --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" gemv-late "* ]]; then
+  "$py" -m perf.gemv_sweep --dtypes bf16 fp8w --late-sum --layers qkv_proj o_proj gate_up_proj down_proj \
+    --results "$results" --host "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -34,10 +34,11 @@ class GemmConfig:
 
 @triton.jit
 def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
-                            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, ITERS,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             STAGES: tl.constexpr):
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks side by side: one
+    # weight tile is read from memory once for all of them (L2 serves the others)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = pid_k * ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -98,10 +99,11 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     scale = weight_scale.reshape(n).float()
     out = torch.empty((split_k, m, n) if split_k > 1 else (m, n), dtype=torch.float32 if split_k > 1 else x.dtype,
                       device=x.device)
-    grid = (triton.cdiv(n, c.block_n), split_k, triton.cdiv(m, c.block_m))
+    grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split_k)
     _fp8_weight_gemm_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k,
-                                  HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k, ITERS=iters, BLOCK_M=c.block_m,
-                                  BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages, num_warps=c.warps)
+                                  HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k, ITERS=iters,
+                                  BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
+                                  num_warps=c.warps)
     if split_k == 1:
         return out
     out = out.sum(0) * scale

@@ -79,7 +79,8 @@ def test_weights_only_engine_through_the_kernel_decodes_the_fallbacks_tokens(tmp
     from build_engines.quantize import write_fp8_checkpoint
     from tests.conftest import ROOT
 
-    write_fp8_checkpoint(tiny_checkpoint("llm", ROOT / ".checkpoints"), tmp_path / "w8a16", Fp8Scheme("channel", "none"))
+    checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    write_fp8_checkpoint(checkpoint, tmp_path / "w8a16", Fp8Scheme("channel", "none"))
     prompts = ["a photo of the cat", "x", "several words of a longer prompt here"]
 
     def decode() -> list[list[int]]:

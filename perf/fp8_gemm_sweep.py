@@ -1,0 +1,141 @@
+"""python -m perf.fp8_gemm_sweep: weights-only FP8 layers at decode batch sizes (backends/llm/fp8_gemm.py), on a GPU.
+
+For Llama-3-8B's four projections at 2 to 256 rows: bf16 `F.linear`, W8A8 (`torch._scaled_mm` after the per-token
+quantization, as the engine runs it), and weights-only FP8 two ways: each weight widened to bf16 before `F.linear`
+(the engine's path before the kernel, still its path above fp8.FP8_GEMM_MAX_ROWS) and the Triton GEMM with its
+default configuration; at some row counts every configuration of a bounded grid too. Each variant runs in one CUDA
+graph over enough weight copies (>= 256 MiB) that L2 holds none of them (perf.fp8_layers' timing); every kernel
+configuration is checked against the float64 product first. Kernels are compiled by worker processes first (Triton
+caches them on disk), so the sweep fits a short lease.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import multiprocessing
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from backends.llm.fp8 import quantize_tokens
+from backends.llm.fp8_gemm import GemmConfig, default_config, fp8_weight_matmul
+from perf.gemv_sweep import SHAPES, error, graph_time_us, weights
+from perf.report import hardware_line, stem, write_table
+
+LAYERS = [name for name in SHAPES if name != "lm_head"]  # the FP8 schemes keep the LM head in bf16
+SMS = 132
+
+
+def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
+    """The grid, bounded to register tiles of at most 32K elements, 1-16 waves of programs, >= 2 K tiles each."""
+    out = []
+    for block_m in sorted({min(128, max(16, 1 << (m - 1).bit_length())), min(64, max(16, 1 << (m - 1).bit_length()))}):
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128, 256):
+                for split_k in (1, 2, 4, 8):
+                    for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
+                        programs = -(-m // block_m) * -(-n // block_n) * split_k
+                        if (max(block_m, block_n) * block_k <= 32768 and block_m * block_n <= 16384
+                                and SMS // 2 <= programs <= 16 * SMS and k // (block_k * split_k) >= 2):
+                            out.append(GemmConfig(block_m, block_n, block_k, split_k, warps, stages))
+    return out
+
+
+def label(c: GemmConfig) -> str:
+    return f"{c.block_m}/{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.stages}"
+
+
+def _compile(job: tuple[str, int, list[GemmConfig]]) -> int:
+    """Worker: run each configuration once (compiles it into Triton's disk cache)."""
+    name, m, configs = job
+    n, k = SHAPES[name]
+    (w, scale), = weights(n, k, True, 1)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for c in configs:
+        fp8_weight_matmul(x, w, scale, config=c)
+    torch.cuda.synchronize()
+    return len(configs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.fp8_gemm_sweep", description=__doc__)
+    parser.add_argument("--layers", nargs="+", default=LAYERS)
+    parser.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[4, 16, 64, 256],
+                        help="row counts at which every configuration of the grid is timed")
+    parser.add_argument("--workers", type=int, default=max(1, (multiprocessing.cpu_count() or 2) - 1))
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default=socket.gethostname())
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("perf.fp8_gemm_sweep needs a GPU", file=sys.stderr)
+        return 1
+    jobs = {(name, m): [default_config(m, *SHAPES[name])] + (candidates(m, *SHAPES[name]) if m in args.sweep_rows
+                                                             else []) for name in args.layers for m in args.rows}
+    chunked = [(name, m, configs[i::args.workers]) for (name, m), configs in jobs.items() for i in range(args.workers)]
+    with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        print(f"compiled {sum(pool.map(_compile, [j for j in chunked if j[2]]))} kernels", flush=True)
+    quantize = torch.compile(quantize_tokens, dynamic=True)  # as the engine's Kernels.compiled() has it
+
+    def scaled_mm(x, w, scale):
+        xq, x_scale = quantize(x, None)
+        return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+
+    def widened(x, w, scale):  # fp8.Fp8Linear's path for long weights-only steps
+        return (F.linear(x, w.to(x.dtype)).float() * scale.view(-1)).to(x.dtype)
+
+    torch.manual_seed(0)
+    all_rows, rows = [], []
+    for name in args.layers:
+        n, k = SHAPES[name]
+        copies = weights(n, k, True, max(2, -(-256 * 2**20 // (n * k))))
+        bf16 = [(w.to(torch.bfloat16) * s.to(torch.bfloat16), None) for w, s in copies[:max(2, len(copies) // 2)]]
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ (copies[0][0].double() * copies[0][1].double()).t()
+            timed = []
+            for c in jobs[name, m]:
+                e = error(fp8_weight_matmul(x, *copies[0], config=c), ref)
+                if not e < 1e-2:
+                    print(f"{name} M={m} {label(c)}: relative error {e:.2e}", flush=True)
+                    all_rows.append([name, m, label(c), "wrong", f"{e:.2e}"])
+                    continue
+                us = graph_time_us(lambda w: fp8_weight_matmul(x, *w, config=c), copies)
+                timed.append((us, c))
+                all_rows.append([name, m, label(c), f"{us:.2f}", f"{n * k / us / 1e3:.0f}"])
+            default_us = timed[0][0] if timed and timed[0][1] == jobs[name, m][0] else float("nan")
+            best_us, best = min(timed, key=lambda t: t[0])
+            bf16_us = graph_time_us(lambda w: F.linear(x, w[0]), bf16)
+            w8a8_us = graph_time_us(lambda w: scaled_mm(x, *w), copies)
+            widened_us = graph_time_us(lambda w: widened(x, *w), copies)
+            rows.append([name, f"{n}x{k}", m, f"{bf16_us:.1f}", f"{w8a8_us:.1f}", f"{widened_us:.1f}",
+                         f"{default_us:.1f}", label(jobs[name, m][0]), f"{best_us:.1f}", label(best),
+                         f"{n * k / default_us / 1e3:.0f}", f"{bf16_us / default_us:.2f}"])
+            print(*rows[-1], sep=" | ", flush=True)
+        del copies, bf16
+        torch.cuda.empty_cache()
+    base = stem(args.results / args.host, "fp8-gemm-sweep-configs")
+    with base.with_suffix(".csv").open("w", newline="") as f:
+        csv.writer(f).writerows([["layer", "rows", "config", "us", "GB/s"], *all_rows])
+    notes = ["Times: median of 20 replays of a CUDA graph calling the layer once per weight copy (>= 256 MiB of FP8 "
+             "weights, so L2 holds none), per call. GB/s: FP8 weight bytes per second of the kernel's default.",
+             "w8a8: the input quantized per token (one torch.compile'd kernel) and cuBLAS' FP8 GEMM; widened: each "
+             "E4M3 weight converted to bf16, F.linear, the per-channel scale after (the engine's weights-only path "
+             "before fp8_gemm.py); kernel: backends/llm/fp8_gemm.py, config BLOCK_M/BLOCK_N/BLOCK_K/SPLIT_K/warps/"
+             "stages, its default (fp8_gemm.default_config) and the best of the grid where swept "
+             f"(rows {', '.join(map(str, args.sweep_rows))}).",
+             f"All configurations: {base.name}.csv. Command: `python -m perf.fp8_gemm_sweep`."]
+    path = write_table(args.results / args.host, "fp8-gemm-sweep",
+                       ["layer", "N x K", "rows", "bf16 us", "w8a8 us", "w8a16 widened us", "w8a16 kernel us",
+                        "kernel config", "best us", "best config", "kernel GB/s", "bf16 / kernel"], rows,
+                       hardware_line("n/a (in-process)"), notes)
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -58,19 +58,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runtime", choices=["onnxruntime", "torch", "tensorrt", "tensorrt_llm"],
                         help=f"default per family: {DEFAULT_RUNTIME}")
     parser.add_argument("--precision", choices=["fp32", "fp16", "bf16", "fp8"], default="fp32",
-                        help="fp8 (llm only): E4M3 weights per channel, activations per token, the rest in bf16")
-    parser.add_argument("--fp8-activations", choices=["token", "tensor", "none"], default="token",
-                        help="with --precision fp8: scale activations per token at run time, with one calibrated "
-                        "scale per projection (needs --calibration), or leave them in bf16 (FP8 weights only)")
-    parser.add_argument("--fp8-rounding", choices=["nearest", "gptq"], default="nearest",
-                        help="with --precision fp8: each weight to its nearest E4M3 value, or GPTQ's error-compensating "
-                        "rounding over the --calibration prompts (same scales and format, lower error)")
+                        help="fp8 (llm only): E4M3 weights per channel rounded by GPTQ, activations in bf16 "
+                        "(--fp8-activations, --fp8-rounding change that), the rest in bf16")
+    parser.add_argument("--fp8-activations", choices=["none", "token", "tensor"],
+                        help="with --precision fp8: leave activations in bf16 (FP8 weights only, the default), scale "
+                        "them to E4M3 per token at run time, or with one calibrated scale per projection")
+    parser.add_argument("--fp8-rounding", choices=["gptq", "nearest"],
+                        help="with --precision fp8: GPTQ's error-compensating rounding over the calibration requests "
+                        "(the default), or each weight to its nearest E4M3 value (no calibration; faster to build)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="with --precision fp8: fp8 stores keys and values in E4M3 with calibrated per-layer "
-                        "scales (needs --calibration; twice the tokens in the same KV memory)")
-    parser.add_argument("--calibration", type=Path, help="with --precision fp8: a text file of prompts (one per "
-                        "line) for the static scales of --fp8-activations tensor and --kv-cache-dtype fp8 and for "
-                        "--fp8-rounding gptq")
+                        "scales (twice the tokens in the same KV memory)")
+    parser.add_argument("--calibration", type=Path, help="with --precision fp8: a text file of requests (one per "
+                        "line; default: build_engines/data/calibration_prompts.txt), each sent through the chat "
+                        "template and answered by the model, for GPTQ, --fp8-activations tensor and "
+                        "--kv-cache-dtype fp8")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
     parser.add_argument("--name", help="model name (default: the family's), e.g. a second llm from another checkpoint")
     parser.add_argument("--max-batch-size", type=int, default=64)
@@ -94,13 +96,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--random-init {args.random_init} is a {RANDOM_INIT[args.random_init][0]} model, not {args.model}")
     if args.precision == "fp8" and args.model != "llm":
         parser.error("--precision fp8 is for llm (its engine has FP8 linear layers)")
+    fp8_options = {"--fp8-activations": args.fp8_activations, "--fp8-rounding": args.fp8_rounding,
+                   "--kv-cache-dtype fp8": args.kv_cache_dtype == "fp8", "--calibration": args.calibration}
+    if args.precision != "fp8" and any(fp8_options.values()):
+        parser.error(f"{', '.join(k for k, v in fp8_options.items() if v)}: only with --precision fp8")
+    args.fp8_activations, args.fp8_rounding = args.fp8_activations or "none", args.fp8_rounding or "gptq"
     calibrated = args.fp8_activations == "tensor" or args.kv_cache_dtype == "fp8" or args.fp8_rounding == "gptq"
-    fp8_options = args.fp8_activations != "token" or args.kv_cache_dtype == "fp8" or args.fp8_rounding == "gptq"
-    if fp8_options and args.precision != "fp8":
-        parser.error("--fp8-activations, --fp8-rounding and --kv-cache-dtype fp8 need --precision fp8")
-    if calibrated != bool(args.calibration):
-        parser.error("--calibration (prompts) goes with --fp8-activations tensor, --kv-cache-dtype fp8 or "
-                     "--fp8-rounding gptq, and they need it")
+    if args.calibration and not calibrated:
+        parser.error("--calibration (requests) is for --fp8-rounding gptq, --fp8-activations tensor or "
+                     "--kv-cache-dtype fp8")
     if args.calibration and not args.calibration.is_file():
         parser.error(f"--calibration {args.calibration}: no such text file")
     if args.pretrained and PRETRAINED[args.pretrained].family != args.model:

@@ -51,10 +51,10 @@ class BuildOptions:
     force: bool = False
     name: str | None = None  # the model's name when it is not the family's default (a second checkpoint)
     overrides: dict[str, str] = field(default_factory=dict)  # backend parameters set on the command line
-    calibration: Path | None = None  # fp8: text file, one prompt per line, for the static scales below
-    fp8_activations: str = "token"  # fp8: "token" (dynamic), "tensor" (static, calibrated) or "none" (weights only)
+    calibration: Path | None = None  # fp8: text file, one request per line (default: build_engines/data/'s)
+    fp8_activations: str = "none"  # fp8: "none" (weights only), "token" (dynamic) or "tensor" (static, calibrated)
     kv_cache_dtype: str = "auto"  # fp8: "fp8" stores the KV cache in E4M3 (calibrated scales)
-    fp8_rounding: str = "nearest"  # fp8: "gptq" rounds the weights with error feedback over the calibration prompts
+    fp8_rounding: str = "gptq"  # fp8: GPTQ's error feedback over the calibration prompts, or "nearest"
 
     def model_name(self, default: str) -> str:
         return self.name or default
@@ -67,7 +67,8 @@ class BuildOptions:
         options = {k: str(v.resolve() if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "force"}
         if self.calibration:
             options["calibration_text"] = self.calibration.read_text()
-        sources = [*sorted(Path(__file__).parent.glob("*.py")), *(BACKENDS / name for name in SCHEMA_SOURCES)]
+        sources = [*sorted(Path(__file__).parent.glob("*.py")), *sorted(Path(__file__).parent.glob("data/*")),
+                   *(BACKENDS / name for name in SCHEMA_SOURCES)]
         code = hashlib.sha256(b"".join(p.read_bytes() for p in sources))
         return hashlib.sha256(json.dumps([family, options, stamp, code.hexdigest()]).encode()).hexdigest()[:16]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from backends.llm.fp8 import quantize_tokens
 from backends.llm.fp8_gemm import GemmConfig, default_config, fp8_weight_matmul
@@ -39,8 +40,10 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
                 for split_k in (1, 2, 4, 8):
                     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         programs = -(-m // block_m) * -(-n // block_n) * split_k
+                        staged = stages * (2 * block_m + block_n) * block_k  # bytes of shared memory, about
                         if (max(block_m, block_n) * block_k <= 32768 and block_m * block_n <= 16384
-                                and SMS // 2 <= programs <= 16 * SMS and k // (block_k * split_k) >= 2):
+                                and staged <= 160 * 1024 and SMS // 2 <= programs <= 16 * SMS
+                                and k // (block_k * split_k) >= 2):
                             out.append(GemmConfig(block_m, block_n, block_k, split_k, warps, stages))
     return out
 
@@ -49,16 +52,21 @@ def label(c: GemmConfig) -> str:
     return f"{c.block_m}/{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.stages}"
 
 
-def _compile(job: tuple[str, int, list[GemmConfig]]) -> int:
-    """Worker: run each configuration once (compiles it into Triton's disk cache)."""
+def _compile(job: tuple[str, int, list[GemmConfig]]) -> list[GemmConfig]:
+    """Worker: run each configuration once (compiles it into Triton's disk cache); those that do not fit the GPU
+    (shared memory, registers) are returned."""
     name, m, configs = job
     n, k = SHAPES[name]
     (w, scale), = weights(n, k, True, 1)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    unfit = []
     for c in configs:
-        fp8_weight_matmul(x, w, scale, config=c)
+        try:
+            fp8_weight_matmul(x, w, scale, config=c)
+        except triton.runtime.errors.OutOfResources:
+            unfit.append(c)
     torch.cuda.synchronize()
-    return len(configs)
+    return unfit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                                                              else []) for name in args.layers for m in args.rows}
     chunked = [(name, m, configs[i::args.workers]) for (name, m), configs in jobs.items() for i in range(args.workers)]
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        print(f"compiled {sum(pool.map(_compile, [j for j in chunked if j[2]]))} kernels", flush=True)
+        unfit = {c for found in pool.map(_compile, [j for j in chunked if j[2]]) for c in found}
+    jobs = {key: [c for c in configs if c not in unfit] for key, configs in jobs.items()}
+    print(f"compiled {sum(map(len, jobs.values()))} kernels ({len(unfit)} did not fit)", flush=True)
     quantize = torch.compile(quantize_tokens, dynamic=True)  # as the engine's Kernels.compiled() has it
 
     def scaled_mm(x, w, scale):

@@ -23,7 +23,9 @@
 #   "lora": the LoRA tests on the GPU, then 64 streams with 1, 8 and 64 distinct rank-16 adapters against the base
 #   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine);
 #   "w8a16": the FP8 GEMM / GEMV tests on the GPU, weights-only FP8 layers at 2-256 rows beside bf16, W8A8 and
-#   widened weights (perf.fp8_gemm_sweep), and the engine on Llama-3-8B shapes in bf16, FP8 and weights-only FP8;
+#   widened weights (perf.fp8_gemm_sweep);
+#   "fp8-engine": the FP8 GEMM and FP8 tests, then the engine on Llama-3-8B shapes in bf16, FP8 weights only (the
+#   default) and FP8 with per-token activations, one run (perf.llm_engine --variants);
 #   "gemv-late": the GEMV configurations in bf16 and weights-only FP8, each also summed after its loop)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
@@ -149,8 +151,11 @@ if [[ " ${SCENARIOS:-images} " == *" w8a16 "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_gemv.py tests/unit/test_fp8.py \
     -k "not llm_compressor"
   "$py" -m perf.fp8_gemm_sweep --results "$results" --host "${HOST:-gpu}"
-  "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:paged:gemv,fp8:paged:gemv,fp8w:paged:gemv \
-    --scenario llm-engine-w8a16 --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" fp8-engine "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_fp8.py -k "not llm_compressor"
+  "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:paged:gemv,fp8w:paged:gemv,fp8:paged:gemv \
+    --scenario llm-engine-fp8-default --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" gemv-late "* ]]; then
   "$py" -m perf.gemv_sweep --dtypes bf16 fp8w --late-sum --layers qkv_proj o_proj gate_up_proj down_proj \

@@ -208,7 +208,9 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
             row("engine ready, s (load, FP8 quantizing on the device, KV cache, graph capture)", "ready", ".1f")]
     notes.append("fp8: E4M3 weights with per-channel scales, activations quantized per token; steps of more than "
                  "one token run torch._scaled_mm after one compiled quantization kernel; fp8w: the same weights, "
-                 "activations kept in bf16 (larger steps convert the weights to bf16 for cuBLAS); embedding, norms, "
+                 "activations kept in bf16 (the default of build_engines --precision fp8; steps of 2-256 rows run the "
+                 "Triton GEMM of backends/llm/fp8_gemm.py, longer ones widen the weights to bf16 for cuBLAS); the "
+                 "random weights rounded to nearest (GPTQ changes values, not speed); embedding, norms, "
                  "attention and the LM head in bf16. paged: decode attention by the Triton kernel of "
                  "backends/llm/paged_decode.py (KV blocks read in place); gather: each sequence's blocks copied out, "
                  "then SDPA. gemv: one-token steps run every linear layer (the LM head too) through "

@@ -33,7 +33,7 @@ class GemvConfig:
     warps: int
     unroll: int = 1
     pdl: bool = True  # programmatic dependent launch after a prepare kernel, where the GPU has it (see pdl_runs_on)
-    late_sum: bool = False  # products summed over K once, after the loop (see _partial_product)
+    late_sum: bool = False  # products summed over K once, after the loop (see _accumulate)
 
 
 @triton.jit
@@ -103,14 +103,16 @@ def _load_weights(w_rows, offs, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _partial_product(w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr, LATE_SUM: tl.constexpr):
-    """The tile's products, summed over K now, or (LATE_SUM) left per element for one sum after the loop: no
-    reduction across the program's warps, and so no barrier, in every iteration."""
+def _accumulate(acc, w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr, LATE_SUM: tl.constexpr):
+    """acc plus the tile's products, summed over K now, or (LATE_SUM, acc [BLOCK_N, BLOCK_K]) per element for one
+    sum after the loop: no reduction across the program's warps, and so no barrier, in every iteration."""
     x = tl.load(x_row + offs) if EVEN else tl.load(x_row + offs, mask=offs < K, other=0.0)
     products = w.to(tl.float32) * x.to(tl.float32)[None, :]
     if LATE_SUM:
-        return products
-    return tl.sum(products, axis=1)
+        acc += products
+    else:
+        acc += tl.sum(products, axis=1)
+    return acc
 
 
 @triton.jit
@@ -134,10 +136,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
         w = _load_weights(w_rows, first + k, cols, N, K, EVEN)
         gdc_wait()  # the input, the residual and every write only once that kernel is done
         gdc_launch_dependents()
-        acc += _partial_product(w, x_row, first + k, K, EVEN, LATE_SUM)
+        acc = _accumulate(acc, w, x_row, first + k, K, EVEN, LATE_SUM)
     for i in tl.range(1 if PDL else 0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        acc += _partial_product(_load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN, LATE_SUM)
+        acc = _accumulate(acc, _load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN, LATE_SUM)
     if LATE_SUM:
         acc = tl.sum(acc, axis=1)
     x_scale = 1.0  # unquantized inputs: bf16 weights, or FP8 weights only

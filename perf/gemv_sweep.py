@@ -36,9 +36,9 @@ BF16_ONLY = ("lm_head",)  # kept in bf16 by the FP8 schemes
 SMS = 132
 
 
-def candidates(n: int, k: int, fp8: bool, late_sum: bool = False) -> list[GemvConfig]:
+def candidates(n: int, k: int, fp8: bool) -> list[GemvConfig]:
     """The grid, bounded to tiles of 2-32 KB, 8-64 elements per thread, a few waves of programs, and K spans that
-    the blocks divide (no masks); each also with its sum over K after the loop (`late_sum`)."""
+    the blocks divide (no masks)."""
     size = 1 if fp8 else 2
     out = []
     for block_n in (2, 4, 8, 16):
@@ -51,13 +51,12 @@ def candidates(n: int, k: int, fp8: bool, late_sum: bool = False) -> list[GemvCo
                         iters, rest = divmod(k, block_k * split_k)
                         if (2048 <= tile <= 32768 and 8 <= per_thread <= 64 and SMS <= programs <= 256 * SMS
                                 and rest == 0 and iters % unroll == 0):
-                            out += [GemvConfig(block_n, block_k, split_k, warps, unroll, late_sum=late)
-                                    for late in ((False, True) if late_sum else (False,))]
+                            out.append(GemvConfig(block_n, block_k, split_k, warps, unroll))
     return out
 
 
 def label(c: GemvConfig) -> str:
-    return f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}{'/late' if c.late_sum else ''}"
+    return f"{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.unroll}"
 
 
 def with_default(configs: list[GemvConfig], name: str, fp8: bool) -> list[GemvConfig]:
@@ -114,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", nargs="+", default=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp8w"],
                         help="fp8w: FP8 weights only, the input left in bf16")
-    parser.add_argument("--late-sum", action="store_true", help="each configuration also with its sum after the loop")
     parser.add_argument("--workers", type=int, default=max(1, (multiprocessing.cpu_count() or 2) - 1))
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())
@@ -122,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("perf.gemv_sweep needs a GPU", file=sys.stderr)
         return 1
-    jobs = [(name, dtype, with_default(candidates(*SHAPES[name], dtype != "bf16", args.late_sum), name,
+    jobs = [(name, dtype, with_default(candidates(*SHAPES[name], dtype != "bf16"), name,
                                        dtype != "bf16"))
             for name in args.layers for dtype in args.dtypes if not (dtype != "bf16" and name in BF16_ONLY)]
     chunked = [(name, dtype, configs[i::args.workers]) for name, dtype, configs in jobs for i in range(args.workers)]
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         timed = []
         for c in configs:
             e = error(gemv(x, *copies[0], quantize_input=quantized, config=c), ref)
-            row = [name, dtype, c.block_n, c.block_k, c.split_k, c.warps, c.unroll, c.late_sum]
+            row = [name, dtype, c.block_n, c.block_k, c.split_k, c.warps, c.unroll]
             if not e < 1e-2:  # recorded, left out of the ranking; fresh split-K counters for the next one
                 print(f"{name} {row[1]} {c}: relative error {e:.2e}", flush=True)
                 all_rows.append(row + ["wrong", f"{e:.2e}"])
@@ -176,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     base = stem(args.results / args.host, "gemv-sweep-configs")
     with base.with_suffix(".csv").open("w", newline="") as f:
-        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "late_sum", "us",
-                                  "GB/s"],
+        csv.writer(f).writerows([["layer", "dtype", "block_n", "block_k", "split_k", "warps", "unroll", "us", "GB/s"],
                                  *all_rows])
-    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll (/late: summed over K once, after the loop), launched as the engine launches it (with PDL after a "
+    notes = ["Config: BLOCK_N/BLOCK_K/SPLIT_K/warps/unroll, launched as the engine launches it (with PDL after a "
              "prepare kernel, where the GPU has it: gemv.pdl_runs_on). Times: median of 20 replays of a CUDA graph calling the kernel once per weight "
              "copy (>= 256 MiB, so L2 holds none), per call; GB/s: weight bytes per second. "
              "Every configuration checked against the float64 product (relative error < 1e-2) before timing.",

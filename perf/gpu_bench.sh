@@ -26,7 +26,7 @@
 #   widened weights (perf.fp8_gemm_sweep);
 #   "fp8-engine": the FP8 GEMM and FP8 tests, then the engine on Llama-3-8B shapes in bf16, FP8 weights only (the
 #   default) and FP8 with per-token activations, one run (perf.llm_engine --variants);
-#   "gemv-late": the GEMV configurations in bf16 and weights-only FP8, each also summed after its loop)
+#   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -157,8 +157,8 @@ if [[ " ${SCENARIOS:-images} " == *" fp8-engine "* ]]; then
   "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:paged:gemv,fp8w:paged:gemv,fp8:paged:gemv \
     --scenario llm-engine-fp8-default --results "$results" --host "${HOST:-gpu}"
 fi
-if [[ " ${SCENARIOS:-images} " == *" gemv-late "* ]]; then
-  "$py" -m perf.gemv_sweep --dtypes bf16 fp8w --late-sum --layers qkv_proj o_proj gate_up_proj down_proj \
+if [[ " ${SCENARIOS:-images} " == *" gemv-fp8w "* ]]; then
+  "$py" -m perf.gemv_sweep --dtypes bf16 fp8w --layers qkv_proj o_proj gate_up_proj down_proj \
     --results "$results" --host "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

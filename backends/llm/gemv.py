@@ -33,7 +33,6 @@ class GemvConfig:
     warps: int
     unroll: int = 1
     pdl: bool = True  # programmatic dependent launch after a prepare kernel, where the GPU has it (see pdl_runs_on)
-    late_sum: bool = False  # products summed over K once, after the loop (see _accumulate)
 
 
 @triton.jit
@@ -103,16 +102,9 @@ def _load_weights(w_rows, offs, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr, LATE_SUM: tl.constexpr):
-    """acc plus the tile's products, summed over K now, or (LATE_SUM, acc [BLOCK_N, BLOCK_K]) per element for one
-    sum after the loop: no reduction across the program's warps, and so no barrier, in every iteration."""
+def _partial_product(w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr):
     x = tl.load(x_row + offs) if EVEN else tl.load(x_row + offs, mask=offs < K, other=0.0)
-    products = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if LATE_SUM:
-        acc += products
-    else:
-        acc += tl.sum(products, axis=1)
-    return acc
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
@@ -120,28 +112,22 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
                  K: tl.constexpr, FP8: tl.constexpr, QUANTIZED: tl.constexpr, STATIC: tl.constexpr,
                  HAS_BIAS: tl.constexpr,
                  RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
-                 LATE_SUM: tl.constexpr):
+                 SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * K
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     first = pid_k * ITERS * BLOCK_K
-    if LATE_SUM:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
     if PDL:  # started while the kernel before may still run: read the first weight tile now (no kernel writes it),
         w = _load_weights(w_rows, first + k, cols, N, K, EVEN)
         gdc_wait()  # the input, the residual and every write only once that kernel is done
         gdc_launch_dependents()
-        acc = _accumulate(acc, w, x_row, first + k, K, EVEN, LATE_SUM)
+        acc += _partial_product(w, x_row, first + k, K, EVEN)
     for i in tl.range(1 if PDL else 0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        acc = _accumulate(acc, _load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN, LATE_SUM)
-    if LATE_SUM:
-        acc = tl.sum(acc, axis=1)
+        acc += _partial_product(_load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN)
     x_scale = 1.0  # unquantized inputs: bf16 weights, or FP8 weights only
     if QUANTIZED:
         x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
@@ -259,6 +245,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
         residual.contiguous() if residual is not None else out, partials, locks, n, K=k, FP8=fp8, QUANTIZED=quantize,
         STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        SPLIT_K=split_k, ITERS=iters, UNROLL=unroll, PDL=pdl, LATE_SUM=c.late_sum, num_warps=c.warps,
-        **launch(pdl))
+        SPLIT_K=split_k, ITERS=iters, UNROLL=unroll, PDL=pdl, num_warps=c.warps, **launch(pdl))
     return out

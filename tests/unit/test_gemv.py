@@ -13,8 +13,7 @@ from backends.llm.gemv import _WORKSPACE, GemvConfig, gemv
 from backends.llm.model import rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CONFIGS = [GemvConfig(16, 32, 1, 4), GemvConfig(16, 32, 2, 4, 2), GemvConfig(8, 16, 4, 2, 2, late_sum=True),
-           GemvConfig(32, 64, 1, 4, late_sum=True)]  # (late_sum: one sum over K after the loop)
+CONFIGS = [GemvConfig(16, 32, 1, 4), GemvConfig(16, 32, 2, 4, 2), GemvConfig(8, 16, 4, 2, 2), GemvConfig(32, 64, 1, 4)]
 SHAPES = [(48, 64), (50, 70), (64, 128), (33, 100)]  # (N, K): with and without masks, split-K spans left over
 
 

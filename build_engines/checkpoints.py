@@ -205,6 +205,41 @@ LLAMA_3_8B_TEXT = dict(hidden_size=4096, intermediate_size=14336, num_hidden_lay
                        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
 
 
+def random_llama(out: Path, text: dict = LLAMA_3_8B_TEXT) -> Path:
+    """A decoder of Llama-3-8B's shapes with random bf16 weights (N(0, 0.02), norms 1), made on the GPU when there
+    is one, and the tiny byte-level tokenizer, whose vocabulary it keeps (the LM head is 4096 x V, not Llama 3's
+    128256 rows): for served-versus-in-process runs of one checkpoint."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_level_tokenizer(TINY_LLM_WORDS, add_bos=True)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, **text)
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model = model.to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
+    _random_fill(model)
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _random_fill(model) -> None:
+    """N(0, 0.02) weights, unit norms, zero biases, from a fixed seed on the model's device."""
+    import torch
+
+    generator = torch.Generator(model.device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.fill_(1)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0, 0.02, generator=generator)
+
+
 def random_llava_next(out: Path, vision: dict = CLIP_VIT_L14_336, text: dict = LLAMA_3_8B_TEXT,
                       pinpoints: list[list[int]] = LLAVA_1_6_GRID) -> Path:
     """A real-size LLaVA-NeXT with random bf16 weights (N(0, 0.02), norms 1), made on the GPU when there is one:
@@ -217,15 +252,7 @@ def random_llava_next(out: Path, vision: dict = CLIP_VIT_L14_336, text: dict = L
     with torch.device("meta"):
         model = LlavaNextForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     model = model.to_empty(device="cuda" if torch.cuda.is_available() else "cpu")
-    generator = torch.Generator(model.device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.fill_(1)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                param.normal_(0, 0.02, generator=generator)
+    _random_fill(model)
     model.save_pretrained(out)
     save_llava_next_processor(out, tokenizer, vision["image_size"], pinpoints)
     return out
@@ -343,6 +370,7 @@ RANDOM_INIT = {
     "clip-vit-l14-336": ("clip", partial(
         tiny_clip, text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
         vision=CLIP_VIT_L14_336, projection_dim=768)),
+    "llama-3-8b": ("llm", random_llama),  # Llama-3-8B shapes, the tiny tokenizer's vocabulary
     "llava-next-8b": ("vlm", random_llava_next),  # CLIP ViT-L/14-336 + Llama-3-8B shapes, LLaVA-1.6 grid
     "sam-vit-h": ("sam", partial(tiny_sam, hidden=1280, layers=32, heads=16, channels=256,
                                  global_attn=(7, 15, 23, 31), vit_mlp=5120, decoder_mlp=2048, decoder_heads=8,

@@ -114,3 +114,9 @@ def write_model(repository: Path, config: PythonModelConfig, warmup: bytes | Non
 
 def write_engine_metadata(version_dir: Path, **fields) -> None:
     (version_dir / "engine.json").write_text(json.dumps(fields, indent=2) + "\n")
+
+
+def read_parameters(config_path: Path) -> dict[str, str]:
+    """A written config.pbtxt's `parameters` (what the backend's schema reads)."""
+    config = text_format.Parse(Path(config_path).read_text(), mc.ModelConfig())
+    return {k: v.string_value for k, v in config.parameters.items()}

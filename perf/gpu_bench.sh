@@ -26,7 +26,9 @@
 #   widened weights (perf.fp8_gemm_sweep);
 #   "fp8-engine": the FP8 GEMM and FP8 tests, then the engine on Llama-3-8B shapes in bf16, FP8 weights only (the
 #   default) and FP8 with per-token activations, one run (perf.llm_engine --variants);
-#   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8)
+#   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
+#   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
+#   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -160,5 +162,16 @@ fi
 if [[ " ${SCENARIOS:-images} " == *" gemv-fp8w "* ]]; then
   "$py" -m perf.gemv_sweep --dtypes bf16 fp8w --layers qkv_proj o_proj gate_up_proj down_proj \
     --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" llm8b "* ]]; then
+  if [ "${TINY:-0}" = 1 ]; then
+    "${build[@]}" llm --tiny
+  else
+    "${build[@]}" llm --random-init llama-3-8b --precision bf16 --device cuda
+  fi
+  "$py" -c "import sys, tempfile; from pathlib import Path; from perf.llm_scenarios import served_llm_in_process_bench; \
+from perf.report import hardware_line; \
+served_llm_in_process_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], Path(tempfile.mkdtemp()), \
+hardware_line('2.51.0'))" "$results" "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -108,6 +108,81 @@ def served_llm_bench(repository: Path, results: Path, tmp: Path, hardware: str) 
     print("LLM streaming (served llm) written", flush=True)
 
 
+LLM_8B_LOADS = [(1, 128, 128), (16, 128, 128), (64, 128, 128)]
+
+
+def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hardware: str,
+                                loads=LLM_8B_LOADS) -> None:
+    """The served `llm` (built by `build_engines llm --random-init llama-3-8b` on a GPU) at 1, 16 and 64 streams,
+    then the same engine, configuration and prompts in this process: what tritonserver, the python backend's IPC
+    and gRPC streaming cost. Also the server's start-to-ready time beside the time to read the weights' files."""
+    from transformers import AutoTokenizer
+
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from build_engines.repository import read_parameters
+
+    folder = repository / "llm" / "1"
+    read_s = read_files_s(sorted(folder.glob("*.safetensors")))
+    start = time.perf_counter()
+    with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-llm-8b.log"),
+                      model_control="explicit", load_models=["llm"]) as server:
+        ready_s = time.perf_counter() - start
+        rows, _ = llm_streaming(server, "llm", folder, tmp, loads=loads, genai_loads=[])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731  (as llm_streaming counts)
+    engine = LLMEngine(folder, EngineConfig.from_config(read_parameters(repository / "llm" / "config.pbtxt")))
+    in_process_tokens_per_s(engine, ["warm up"] * 4, 4, 8, 16, count)  # compiles the prefill kernels
+    for row, (concurrency, input_tokens, output_tokens) in zip(list(rows), loads):
+        prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                               tokenizer.decode)
+        ours = in_process_tokens_per_s(engine, prompts, concurrency, output_tokens, max(16, 4 * concurrency), count)
+        rows.append(["llm", "in process", concurrency, input_tokens, output_tokens, max(16, 4 * concurrency),
+                     *["-"] * 7, ours])
+        print(f"c={concurrency}: served {row[13]:.1f}, in process {ours:.1f} tokens/s (served / in process "
+              f"{row[13] / ours:.2f})", flush=True)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    write_llm_results(results, "llm-streaming-8b", rows, hardware, [
+        f"`llm` built by `build_engines llm --random-init llama-3-8b --precision bf16 --device cuda` (Llama-3-8B "
+        "shapes, random bf16 weights, the tiny byte-level tokenizer's vocabulary), served by tritonserver and "
+        "driven by perf/llm.py over gRPC streaming; then the same checkpoint and engine parameters in process on the "
+        "same prompts, with the same number of requests kept in flight (a new one added as one finishes). Every "
+        "request asks for exactly `output tokens` (min_length = max_tokens); both count output tokens by "
+        "re-tokenising the text.",
+        f"Server start to ready (tritonserver, the python stub, the engine: weights, KV cache, CUDA graphs): "
+        f"{ready_s:.1f} s; reading the {size / 2**30:.1f} GiB of weights' files alone: {read_s:.1f} s (just "
+        "written, so likely from the page cache)."])
+    print("LLM streaming (served 8B llm beside in process) written", flush=True)
+
+
+def read_files_s(files: list[Path], chunk: int = 64 << 20) -> float:
+    """Seconds to read `files` once, start to end."""
+    start = time.perf_counter()
+    buffer = bytearray(chunk)
+    for file in files:
+        with file.open("rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+    return time.perf_counter() - start
+
+
+def in_process_tokens_per_s(engine, prompts: list[str], concurrency: int, output_tokens: int, requests: int,
+                            count_tokens) -> float:
+    """Output tokens per second of `requests` requests run by `engine` directly, `concurrency` kept in flight."""
+    from backends.llm.sampling import SamplingParams
+
+    sampling = SamplingParams(max_tokens=output_tokens, min_tokens=output_tokens)
+    queue = [prompts[i % len(prompts)] for i in range(requests)][::-1]
+    running, tokens = [], 0
+    start = time.perf_counter()
+    while queue or running:
+        while queue and len(running) < concurrency:
+            running.append(engine.add(queue.pop(), sampling))
+        engine.step()
+        tokens += sum(count_tokens(s.text) for s in running if s.finished)
+        running = [s for s in running if not s.finished]
+    return tokens / (time.perf_counter() - start)
+
+
 VLM_LOADS = [(1, 32, 16), (16, 32, 16)]  # (concurrency, prompt text tokens, output tokens), one image per request
 
 

@@ -11,7 +11,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from backends.core.runtime import TorchRuntime, load_runtime
 from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder
 from build_engines.cli import main as build
-from build_engines.repository import PythonModelConfig, Tensor, serialize_bytes_tensor
+from build_engines.repository import PythonModelConfig, Tensor, read_parameters, serialize_bytes_tensor
 from tests.conftest import encode, random_image
 
 
@@ -100,11 +100,6 @@ def test_load_runtime_reports_missing_engine(tmp_path):
         load_runtime(tmp_path, "tvm")
 
 
-def read_params(config_path) -> dict[str, str]:
-    config = text_format.Parse(config_path.read_text(), mc.ModelConfig())
-    return {k: v.string_value for k, v in config.parameters.items()}
-
-
 def test_engine_parameters_are_written_under_another_name(tmp_path, llm_checkpoint):
     from backends.llm.engine import EngineConfig
 
@@ -113,7 +108,7 @@ def test_engine_parameters_are_written_under_another_name(tmp_path, llm_checkpoi
                   "--kv-cache-memory-mb", "64"]) == 0
     config = text_format.Parse((tmp_path / "llm_b" / "config.pbtxt").read_text(), mc.ModelConfig())
     assert config.name == "llm_b" and config.backend == "mm_llm"
-    engine = EngineConfig.from_config(read_params(tmp_path / "llm_b" / "config.pbtxt"))
+    engine = EngineConfig.from_config(read_parameters(tmp_path / "llm_b" / "config.pbtxt"))
     assert (engine.block_size, engine.max_batch, engine.cuda_graphs, engine.kv_cache_memory_mb) == (32, 8, False, 64)
 
 
@@ -140,6 +135,8 @@ def test_gguf_and_pretrained_sources_are_checked(tmp_path, capsys):
 
 
 def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm_checkpoint):
+    """The default FP8 build (weights only, rounded by GPTQ over the builder's calibration requests and the model's
+    answers), a nearest-rounded one with per-token activations, and a static one with an FP8 KV cache."""
     from backends.llm.engine import EngineConfig, LLMEngine
     from backends.llm.fp8 import FP8, Fp8Linear
     from backends.llm.model import checkpoint_tensors
@@ -147,11 +144,22 @@ def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm
 
     assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--repository",
                   str(tmp_path)]) == 0
-    assert EngineConfig.from_config(read_params(tmp_path / "llm" / "config.pbtxt")).dtype == "bf16"
+    assert EngineConfig.from_config(read_parameters(tmp_path / "llm" / "config.pbtxt")).dtype == "bf16"
     engine = LLMEngine(tmp_path / "llm" / "1", EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
     assert isinstance(engine.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert engine.model.layers[0].mlp.down_proj.activations == "none"
     (seq,) = engine.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
     assert len(seq.output_ids) == 4
+    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-rounding", "nearest",
+                  "--fp8-activations", "token", "--repository", str(tmp_path), "--name", "llm_nearest"]) == 0
+    nearest = LLMEngine(tmp_path / "llm_nearest" / "1", EngineConfig(dtype="fp32", device="cpu",
+                                                                      kv_cache_memory_mb=8))
+    assert nearest.model.layers[0].mlp.down_proj.activations == "token"
+    rounded = dict(checkpoint_tensors(tmp_path / "llm" / "1"))
+    to_nearest = dict(checkpoint_tensors(tmp_path / "llm_nearest" / "1"))
+    name = "model.layers.0.mlp.down_proj"
+    assert torch.equal(rounded[name + ".weight_scale"], to_nearest[name + ".weight_scale"])
+    assert not torch.equal(rounded[name + ".weight"].view(torch.uint8), to_nearest[name + ".weight"].view(torch.uint8))
     (tmp_path / "prompts.txt").write_text("a photo of the cat\nred car on the grass\n")
     assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-activations", "tensor",
                   "--kv-cache-dtype", "fp8", "--calibration", str(tmp_path / "prompts.txt"), "--repository",
@@ -162,19 +170,30 @@ def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm
     assert static.model.layers[0].self_attn.k_scale.item() > 0
     (seq,) = static.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
     assert len(seq.output_ids) == 4
-    assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-activations", "none",
-                  "--fp8-rounding", "gptq", "--calibration", str(tmp_path / "prompts.txt"), "--repository",
-                  str(tmp_path), "--name", "llm_gptq"]) == 0
-    gptq = LLMEngine(tmp_path / "llm_gptq" / "1", EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
-    assert gptq.model.layers[0].mlp.down_proj.activations == "none"
-    nearest = dict(checkpoint_tensors(tmp_path / "llm" / "1"))
-    rounded = dict(checkpoint_tensors(tmp_path / "llm_gptq" / "1"))
-    name = "model.layers.0.mlp.down_proj"
-    assert torch.equal(rounded[name + ".weight_scale"], nearest[name + ".weight_scale"])
-    assert not torch.equal(rounded[name + ".weight"].view(torch.uint8), nearest[name + ".weight"].view(torch.uint8))
-    with pytest.raises(SystemExit):  # static scales need calibration prompts
-        build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--kv-cache-dtype", "fp8"])
-    with pytest.raises(SystemExit):  # so does GPTQ
-        build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-rounding", "gptq"])
+    with pytest.raises(SystemExit):  # nothing here reads calibration requests
+        build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-rounding", "nearest",
+               "--calibration", str(tmp_path / "prompts.txt")])
+    with pytest.raises(SystemExit):  # FP8 options without FP8
+        build(["llm", "--checkpoint", str(llm_checkpoint), "--fp8-rounding", "gptq"])
     with pytest.raises(SystemExit):
         build(["vit", "--checkpoint", str(llm_checkpoint), "--precision", "fp8"])
+
+
+def test_calibration_sequences_are_the_requests_and_the_models_answers(tmp_path, llm_checkpoint):
+    """Each request (the checkpoint's chat template where it has one; the tiny one has none) followed by the model's
+    own greedy answer; the default file holds the builder's 64 requests."""
+    from transformers import AutoTokenizer
+
+    from build_engines.llm import DEFAULT_CALIBRATION, calibration_prompts
+
+    (tmp_path / "requests.txt").write_text("a photo of the cat\n\nred car on the grass\n")
+    sequences = calibration_prompts(llm_checkpoint, tmp_path / "requests.txt", answer_tokens=5)
+    tokenizer = AutoTokenizer.from_pretrained(llm_checkpoint)
+    assert tokenizer.chat_template is None and len(sequences) == 2
+    for line, ids in zip(["a photo of the cat", "red car on the grass"], sequences):
+        prompt = tokenizer(line)["input_ids"]
+        assert ids[:len(prompt)] == prompt and 0 < len(ids) - len(prompt) <= 5
+    assert len([line for line in DEFAULT_CALIBRATION.read_text().splitlines() if line.strip()]) == 64
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        calibration_prompts(llm_checkpoint, tmp_path / "empty.txt")

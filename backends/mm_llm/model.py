@@ -2,8 +2,9 @@
 `text_output` deltas out.
 
 `execute` only validates and queues; one background loop per model instance owns the engine: it admits queued
-requests between steps, runs a step, sends each sequence's new text, and checks `request.is_cancelled()` so a
-cancelled gRPC stream frees its KV blocks at once. A failure that belongs to one request (its inputs, its image, its
+requests between steps, runs a step and hands each sequence's new text to an outbox thread, which sends it (merging
+the deltas that queued up meanwhile), sets the metrics, and polls `is_cancelled()` so a cancelled gRPC stream frees
+its KV blocks at once. A failure that belongs to one request (its inputs, its image, its
 sampling) ends that request alone; only a failed model step fails the sequences in it. Engine statistics are
 exported as custom metrics (llm_*).
 
@@ -31,6 +32,7 @@ from backends.core.adapter import TritonBackend, inject
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
+from backends.core.outbox import Outbox
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine, StepFailed
 from backends.llm.adapters import LoraAdapter
@@ -39,7 +41,7 @@ from backends.llm.requests import (OPTIONS_HINT, AdapterAction, GenerationReques
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
-HOUSEKEEPING_S = 0.01  # is_cancelled() and metric updates are IPC round trips: do them at most this often
+HOUSEKEEPING_S = 0.01  # how often cancellation is polled and metrics are updated
 
 GAUGES = {"llm_kv_blocks_free": "KV-cache blocks free", "llm_kv_blocks_total": "KV-cache blocks in all",
           "llm_sequences_running": "sequences in the running batch",
@@ -129,6 +131,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.metrics = CustomMetrics(self.pb, self.labels, {**GAUGES, **(LORA_GAUGES if lora else {})},
                                      {**COUNTERS, **(LORA_COUNTERS if lora else {})})
         self.metrics.update(*engine_stats(self.engine))
+        self.outbox = Outbox(self._text, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self.metrics.update,
+                             poll_s=HOUSEKEEPING_S, name=f"{self.name}-outbox")
         self.thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
         self.thread.start()
 
@@ -187,6 +191,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.running = False
         self.wake.set()
         self.thread.join(timeout=10)  # never hang the unload: the loop is a daemon thread
+        self.outbox.close()  # what the loop queued goes out first; from here on responses are sent directly
         unloading = self.pb.TritonError("the model is being unloaded", self.pb.TritonError.UNAVAILABLE)
         for seq, stream in list(self.active.items()):
             self.engine.cancel(seq)
@@ -208,7 +213,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             if time.monotonic() - last_housekeeping > HOUSEKEEPING_S or not self.engine.has_work:
                 self._drop_cancelled()
                 self._answer_unloads()
-                self.metrics.update(*engine_stats(self.engine))
+                self.outbox.metrics(*engine_stats(self.engine))
                 last_housekeeping = time.monotonic()
             if not self.engine.has_work:
                 self.wake.wait(timeout=0.05)
@@ -221,7 +226,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 for seq in e.seqs:
                     self.engine.cancel(seq)
                     if (stream := self.active.pop(seq, None)) is not None:
-                        self._fail(stream.sender, e.__cause__ or e)
+                        self.outbox.send(stream.sender, self.error_response(e.__cause__ or e))
                 continue
             for seq in advanced:
                 self._respond(seq)
@@ -247,9 +252,10 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                                       embeds=item.embeds, placeholder_id=item.placeholder_id,
                                       embeds_key=item.embeds_key, fault=pending.fault, lora=pending.lora)
             except Exception as e:
-                self._fail(pending.sender, e)
+                self.outbox.send(pending.sender, self.error_response(e))
                 continue
             self.active[seq] = Stream(pending.request, pending.sender, pending.ask.stream)
+            self.outbox.watch(pending.sender, pending.request, seq)
 
     def _engine_inputs_isolated(self, batch: list[Pending]) -> list[EngineInput | Exception]:
         """When preparing a group together fails, each request is prepared alone, so only the culprit fails."""
@@ -280,30 +286,26 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 self._send_unloaded(unload)
 
     def _send_unloaded(self, unload: Unloading) -> None:
-        unload.sender.send(self._text(json.dumps({"unloaded": unload.adapter.name})),
-                           flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.outbox.send(unload.sender, self._text(json.dumps({"unloaded": unload.adapter.name})))
 
     def _drop_cancelled(self) -> None:
-        for seq, stream in list(self.active.items()):
-            if stream.request.is_cancelled():
+        for seq in self.outbox.cancelled():
+            if (stream := self.active.pop(seq, None)) is not None:  # not finished meanwhile
                 self.engine.cancel(seq)
-                del self.active[seq]
-                stream.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.outbox.send(stream.sender)
 
     def _respond(self, seq: Sequence) -> None:
         stream = self.active.get(seq)
         if stream is None:
             return
         if seq.error is not None:
-            self._fail(stream.sender, seq.error)
+            self.outbox.send(stream.sender, self.error_response(seq.error))
         elif stream.stream:
             delta = pending_text(seq)
-            if seq.finished:  # always a final response, possibly empty: clients see where the stream ends
-                stream.sender.send(self._text(delta), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            elif delta:
-                stream.sender.send(self._text(delta))
+            if seq.finished or delta:  # always a final response, possibly empty: clients see where the stream ends
+                self.outbox.text(stream.sender, delta, final=seq.finished)
         elif seq.finished:
-            stream.sender.send(self._text(seq.text), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self.outbox.text(stream.sender, seq.text, final=True)
         if seq.finished:
             del self.active[seq]
 
@@ -311,7 +313,11 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         return self.pb.InferenceResponse([self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))])
 
     def _fail(self, sender, exc: BaseException) -> None:
+        """Fail a request from `execute` (the loop's failures go through the outbox)."""
         self._send_error(sender, self.error(exc))
+
+    def error_response(self, exc: BaseException):
+        return self.pb.InferenceResponse(error=self.error(exc))
 
     def _send_error(self, sender, error) -> None:
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -1,0 +1,150 @@
+"""The engine loop's traffic to the server on a thread of its own.
+
+In the python backend a response `send`, a request's `is_cancelled` and a metric `set` each wait for a round trip to
+the server process (tens of microseconds). Made on the engine loop, 64 streams' responses alone keep the GPU idle for
+milliseconds a step. The outbox makes them on one background thread, which releases the GIL while it waits, and
+merges the text deltas of a stream that queued up meanwhile into one response, as streaming servers do under load.
+Finals are sent after everything queued before them for their stream, and a request is never asked whether it was
+cancelled once its final response has gone.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Message:
+    sender: object
+    text: str | None  # a text delta (merged with the stream's next ones), or None: `response` as it is
+    response: object = None
+    final: bool = False
+
+
+class Outbox:
+    """Sends responses, polls cancellation and sets metrics for a decoupled model's engine loop.
+
+    `text_response(text)` builds the response for a (merged) text delta; `update_metrics(gauges, totals)` sets the
+    metrics. Cancelled requests of watched streams are reported through `cancelled()` by their key."""
+
+    def __init__(self, text_response: Callable[[str], object], final_flag: int,
+                 update_metrics: Callable[[dict, dict], None], poll_s: float = 0.01, name: str = "outbox"):
+        self._text_response = text_response
+        self._final_flag = final_flag
+        self._update_metrics = update_metrics
+        self._poll_s = poll_s
+        self._messages: list[_Message] = []
+        self._metrics: tuple[dict, dict] | None = None
+        self._watched: dict[int, tuple[object, Hashable]] = {}  # id(sender) -> (request, key); this thread only
+        self._to_watch: list[tuple[object, object, Hashable]] = []
+        self._cancelled: queue.SimpleQueue[Hashable] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # --- called by the engine loop ----------------------------------------------------------------------------
+    def text(self, sender, text: str, final: bool = False) -> None:
+        self._post(_Message(sender, text, final=final))
+
+    def send(self, sender, response=None, final: bool = True) -> None:
+        """A response as it is (an error, a JSON answer), or with `response` None only the final flag."""
+        self._post(_Message(sender, None, response, final))
+
+    def watch(self, sender, request, key: Hashable) -> None:
+        """Poll `request.is_cancelled()` until the stream's final response is sent; a cancellation reports `key`."""
+        with self._lock:
+            self._to_watch.append((sender, request, key))
+
+    def cancelled(self) -> list[Hashable]:
+        keys = []
+        while True:
+            try:
+                keys.append(self._cancelled.get_nowait())
+            except queue.Empty:
+                return keys
+
+    def metrics(self, gauges: dict, totals: dict) -> None:
+        with self._lock:
+            self._metrics = (gauges, totals)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued, then stop; later messages are sent at once on the caller's thread."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+        self._thread.join(timeout=timeout_s)
+
+    def _post(self, message: _Message) -> None:
+        with self._lock:
+            if not self._closing:
+                self._messages.append(message)
+                self._lock.notify()
+                return
+        self._deliver(message)  # after `close`: on the caller's thread
+
+    # --- the outbox thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_poll = 0.0
+        while True:
+            with self._lock:
+                if not (self._messages or self._closing):
+                    self._lock.wait(timeout=self._poll_s)
+                messages, self._messages = self._messages, []
+                metrics, self._metrics = self._metrics, None
+                to_watch, self._to_watch = self._to_watch, []
+                closing = self._closing
+            for sender, request, key in to_watch:
+                self._watched[id(sender)] = (request, key)
+            for message in merge_deltas(messages):
+                self._deliver(message)
+            if closing and not messages:
+                return
+            if metrics is not None:
+                self._guard(self._update_metrics, *metrics)
+            if time.monotonic() - last_poll >= self._poll_s:
+                self._poll_cancelled()
+                last_poll = time.monotonic()
+
+    def _deliver(self, message: _Message) -> None:
+        response = self._text_response(message.text) if message.text is not None else message.response
+        flags = self._final_flag if message.final else 0
+        if message.final:
+            self._watched.pop(id(message.sender), None)
+        self._guard(message.sender.send, response, flags=flags)
+
+    def _poll_cancelled(self) -> None:
+        for sender_id, (request, key) in list(self._watched.items()):
+            if self._guard(request.is_cancelled):
+                del self._watched[sender_id]
+                self._cancelled.put(key)
+
+    @staticmethod
+    def _guard(call, *args, **kwargs):
+        """One failed IPC call (a stream the server already closed) must not stop the outbox."""
+        try:
+            return call(*args, **kwargs)
+        except Exception:
+            log.exception("outbox: %s failed", getattr(call, "__qualname__", call))
+            return None
+
+
+def merge_deltas(messages: list[_Message]) -> list[_Message]:
+    """Consecutive text deltas of one stream become one message; each stream keeps its own order."""
+    merged: list[_Message] = []
+    last: dict[int, _Message] = {}  # id(sender) -> its latest message in `merged`
+    for message in messages:
+        previous = last.get(id(message.sender))
+        if previous is not None and previous.text is not None and message.text is not None and not previous.final:
+            previous.text += message.text
+            previous.final = message.final
+            continue
+        merged.append(message)
+        last[id(message.sender)] = message
+    return merged

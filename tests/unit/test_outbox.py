@@ -1,0 +1,103 @@
+"""backends/core/outbox.py: responses leave in each stream's order, deltas that queue up merge, finals end the
+polling of cancellation, a failing send does not stop the outbox, and nothing queued is lost at close."""
+import threading
+import time
+
+from backends.core.outbox import Outbox, _Message, merge_deltas
+
+FINAL = 1
+
+
+class Sender:
+    """Records what the outbox sent; `delay_s` makes each send as slow as a round trip to the server."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False):
+        self.sent, self.delay_s, self.fail = [], delay_s, fail
+        self.threads = set()
+
+    def send(self, response=None, flags=0):
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        if self.fail:
+            raise RuntimeError("stream closed")
+        self.sent.append((response, flags))
+
+
+class Request:
+    def __init__(self):
+        self.cancelled, self.polls = False, 0
+
+    def is_cancelled(self):
+        self.polls += 1
+        return self.cancelled
+
+
+def outbox(**kwargs) -> Outbox:
+    return Outbox(lambda text: ("text", text), FINAL, lambda gauges, totals: None, poll_s=0.001, **kwargs)
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_deltas_merge_per_stream_and_other_responses_keep_their_place():
+    a, b = Sender(), Sender()
+    messages = [_Message(a, "he"), _Message(b, "x"), _Message(a, "llo"), _Message(a, None, "error", True),
+                _Message(b, "y", final=True)]
+    merged = merge_deltas(messages)
+    assert [(m.sender, m.text, m.response, m.final) for m in merged] == [
+        (a, "hello", None, False), (b, "xy", None, True), (a, None, "error", True)]
+
+
+def test_a_slow_server_gets_fewer_larger_responses_in_order_and_the_final_last():
+    sender, box = Sender(delay_s=0.05), outbox()
+    box.text(sender, ">")
+    wait_for(lambda: sender.threads)  # the first send is on its way
+    for i in range(40):
+        box.text(sender, str(i % 10))
+    box.text(sender, "!", final=True)
+    box.close()
+    assert sender.sent == [(("text", ">"), 0), (("text", "0123456789" * 4 + "!"), FINAL)]
+    assert sender.threads == {"outbox"}
+
+
+def test_cancellation_is_reported_once_and_finished_streams_are_no_longer_polled():
+    box = outbox()
+    live, done = (Sender(), Request()), (Sender(), Request())
+    box.watch(live[0], live[1], "live")
+    box.watch(done[0], done[1], "done")
+    box.text(done[0], "bye", final=True)
+    wait_for(lambda: done[0].sent and live[1].polls > 2)
+    polls_after_final = done[1].polls
+    live[1].cancelled = True
+    wait_for(lambda: box.cancelled() == ["live"])
+    time.sleep(0.02)
+    assert box.cancelled() == []
+    assert done[1].polls == polls_after_final <= 1
+    box.close()
+
+
+def test_a_failing_send_does_not_stop_the_outbox_and_after_close_sends_are_direct():
+    broken, fine = Sender(fail=True), Sender()
+    box = outbox()
+    box.send(broken, "error")
+    box.text(fine, "ok", final=True)
+    box.close()
+    assert fine.sent == [(("text", "ok"), FINAL)]
+    box.send(fine)
+    assert fine.sent[-1] == (None, FINAL)
+    assert fine.threads == {"outbox", threading.current_thread().name}
+
+
+def test_metrics_are_set_on_the_outbox_thread_with_the_latest_values():
+    seen = []
+    box = Outbox(lambda text: text, FINAL, lambda gauges, totals: seen.append((gauges, threading.current_thread().name)),
+                 poll_s=0.001)
+    box.metrics({"g": 1}, {})
+    box.metrics({"g": 2}, {})
+    wait_for(lambda: seen)
+    box.close()
+    assert seen[-1] == ({"g": 2}, "outbox")

@@ -28,13 +28,57 @@ class _Message:
 
 
 class Outbox:
-    """Sends responses, polls cancellation and sets metrics for a decoupled model's engine loop.
+    """Sends responses, polls cancellation and sets metrics for a decoupled model's engine loop, on `threads`
+    threads; each stream belongs to one of them, so its responses keep their order.
 
     `text_response(text)` builds the response for a (merged) text delta; `update_metrics(gauges, totals)` sets the
     metrics. Cancelled requests of watched streams are reported through `cancelled()` by their key."""
 
     def __init__(self, text_response: Callable[[str], object], final_flag: int,
-                 update_metrics: Callable[[dict, dict], None], poll_s: float = 0.01, name: str = "outbox"):
+                 update_metrics: Callable[[dict, dict], None], poll_s: float = 0.01, name: str = "outbox",
+                 threads: int = 1):
+        self._shards = [_OutboxThread(text_response, final_flag, update_metrics, poll_s, name if threads == 1
+                                      else f"{name}-{i}") for i in range(threads)]
+        self._owners: dict[int, _OutboxThread] = {}  # id(sender) -> its thread, until its final response
+        self._next = 0
+
+    def _shard(self, sender, final: bool = False) -> _OutboxThread:
+        """Streams go to the threads in turn."""
+        shard = self._owners.pop(id(sender), None) if final else self._owners.get(id(sender))
+        if shard is None:
+            shard, self._next = self._shards[self._next], (self._next + 1) % len(self._shards)
+            if not final:
+                self._owners[id(sender)] = shard
+        return shard
+
+    def text(self, sender, text: str, final: bool = False) -> None:
+        self._shard(sender, final).text(sender, text, final)
+
+    def send(self, sender, response=None, final: bool = True) -> None:
+        """A response as it is (an error, a JSON answer), or with `response` None only the final flag."""
+        self._shard(sender, final).send(sender, response, final)
+
+    def watch(self, sender, request, key: Hashable) -> None:
+        """Poll `request.is_cancelled()` until the stream's final response is sent; a cancellation reports `key`."""
+        self._shard(sender).watch(sender, request, key)
+
+    def cancelled(self) -> list[Hashable]:
+        return [key for shard in self._shards for key in shard.cancelled()]
+
+    def metrics(self, gauges: dict, totals: dict) -> None:
+        self._shards[0].metrics(gauges, totals)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued, then stop; later messages are sent at once on the caller's thread."""
+        for shard in self._shards:
+            shard.close(timeout_s)
+
+
+class _OutboxThread:
+    """One thread of an outbox and the streams it serves."""
+
+    def __init__(self, text_response: Callable[[str], object], final_flag: int,
+                 update_metrics: Callable[[dict, dict], None], poll_s: float, name: str):
         self._text_response = text_response
         self._final_flag = final_flag
         self._update_metrics = update_metrics
@@ -54,11 +98,9 @@ class Outbox:
         self._post(_Message(sender, text, final=final))
 
     def send(self, sender, response=None, final: bool = True) -> None:
-        """A response as it is (an error, a JSON answer), or with `response` None only the final flag."""
         self._post(_Message(sender, None, response, final))
 
     def watch(self, sender, request, key: Hashable) -> None:
-        """Poll `request.is_cancelled()` until the stream's final response is sent; a cancellation reports `key`."""
         with self._lock:
             self._to_watch.append((sender, request, key))
 
@@ -74,8 +116,7 @@ class Outbox:
         with self._lock:
             self._metrics = (gauges, totals)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Send what is queued, then stop; later messages are sent at once on the caller's thread."""
+    def close(self, timeout_s: float) -> None:
         with self._lock:
             self._closing = True
             self._lock.notify()

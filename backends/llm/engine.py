@@ -65,6 +65,7 @@ class EngineConfig(Parameters):
     max_lora_rank: int = bounded(16, 1)  # adapters of higher rank are refused; lower ranks are padded
     max_cpu_loras: int | None = bounded(None, 1)  # adapters kept on the host (default 4 x max_loras)
     lora_root: str = "adapters"  # folder of PEFT adapter folders (+ an optional router); relative: to the model folder
+    response_threads: int = bounded(2, 1)  # served models: threads sending the streams' responses (core/outbox.py)
 
 
 class StepFailed(RuntimeError):

@@ -132,7 +132,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                                      {**COUNTERS, **(LORA_COUNTERS if lora else {})})
         self.metrics.update(*engine_stats(self.engine))
         self.outbox = Outbox(self._text, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self.metrics.update,
-                             poll_s=HOUSEKEEPING_S, name=f"{self.name}-outbox")
+                             poll_s=HOUSEKEEPING_S, name=f"{self.name}-outbox", threads=self.params.response_threads)
         self.thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
         self.thread.start()
 
@@ -315,9 +315,6 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
     def _fail(self, sender, exc: BaseException) -> None:
         """Fail a request from `execute` (the loop's failures go through the outbox)."""
         self._send_error(sender, self.error(exc))
-
-    def error_response(self, exc: BaseException):
-        return self.pb.InferenceResponse(error=self.error(exc))
 
     def _send_error(self, sender, error) -> None:
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -101,3 +101,22 @@ def test_metrics_are_set_on_the_outbox_thread_with_the_latest_values():
     wait_for(lambda: seen)
     box.close()
     assert seen[-1] == ({"g": 2}, "outbox")
+
+
+def test_with_several_threads_each_stream_keeps_its_order_and_cancellations_come_from_all():
+    box = outbox(threads=3)
+    streams = [(Sender(delay_s=0.0005), Request()) for _ in range(12)]
+    for i, (sender, request) in enumerate(streams):
+        box.watch(sender, request, i)
+    for step in range(20):
+        for sender, _ in streams[:6]:
+            box.text(sender, f"{step},", final=step == 19)
+    for _, request in streams[6:]:
+        request.cancelled = True
+    seen = []
+    wait_for(lambda: seen.extend(box.cancelled()) or sorted(seen) == list(range(6, 12)))
+    box.close()
+    for sender, _ in streams[:6]:
+        assert "".join(r[1] for r, _ in sender.sent) == "".join(f"{step}," for step in range(20))
+        assert [flags for _, flags in sender.sent][-1] == FINAL and len(sender.threads) == 1
+    assert len({t for sender, _ in streams for t in sender.threads}) == 3

@@ -27,6 +27,7 @@ class StreamTiming:
     arrivals: list[float]  # one per non-empty response
     text: str
     error: str | None = None
+    ended: float = 0.0  # when the final response (or the error) arrived
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,15 @@ class LoadSpec:
     requests: int  # measured requests (a warm-up round of `concurrency` requests runs first)
 
 
-async def stream_one(client: grpcclient.InferenceServerClient, model: str, inputs: list) -> StreamTiming:
-    """Send one request on its own stream and timestamp every response until the final one."""
+async def stream_one(client: grpcclient.InferenceServerClient, model: str, inputs: list,
+                     parameters: dict | None = None) -> StreamTiming:
+    """Send one request (with request `parameters`, e.g. {"qos_class": "high"}) on its own stream and timestamp
+    every response until the final one."""
     done = asyncio.Event()
 
     async def request_iterator():
         yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex,
-               "enable_empty_final_response": True}
+               "enable_empty_final_response": True, "parameters": parameters}
         await done.wait()  # keep the stream open until the final response arrived
 
     timing = StreamTiming(time.perf_counter(), [], "")
@@ -62,6 +65,7 @@ async def stream_one(client: grpcclient.InferenceServerClient, model: str, input
                 break
     finally:
         done.set()
+    timing.ended = time.perf_counter()
     timing.text = "".join(pieces)
     return timing
 

@@ -90,9 +90,10 @@ class TritonBackend(Generic[P]):
             return None if tensor is None else tensor.as_numpy()
         return Inputs(get)
 
-    def check_parameters(self, request, hint: str = "") -> str | None:
+    def check_parameters(self, request, hint: str = "", allowed: tuple[str, ...] = ()) -> str | None:
         """Refuses request parameters this model would ignore; returns the fault stage a test asked for."""
-        return check_request_parameters(request.parameters(), hint, FAULT_PARAMETER if self.faults_enabled else None)
+        return check_request_parameters(request.parameters(), hint, FAULT_PARAMETER if self.faults_enabled else None,
+                                        allowed)
 
     def error(self, exc: BaseException):
         """The per-request error policy: the client's mistake is named; anything else is logged here and reported

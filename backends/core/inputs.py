@@ -23,14 +23,17 @@ def utf8(raw: bytes | str, name: str) -> str:
         raise InvalidInput(f"{name} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def check_request_parameters(parameters_json: str, hint: str = "", fault_parameter: str | None = None) -> str | None:
-    """Refuses request parameters: no model here takes any, so one sent would be silently ignored (Triton's own
-    `triton_*` pass). Returns the value of `fault_parameter` (test-only fault injection), when named and present."""
+def check_request_parameters(parameters_json: str, hint: str = "", fault_parameter: str | None = None,
+                             allowed: tuple[str, ...] = ()) -> str | None:
+    """Refuses request parameters the model does not take (`allowed`, read by the caller; Triton's own `triton_*`
+    pass), as one sent would be silently ignored. Returns the value of `fault_parameter` (test-only fault
+    injection), when named and present."""
     parameters = json.loads(parameters_json or "{}")
     fault = parameters.pop(fault_parameter, None) if fault_parameter else None
-    unknown = sorted(k for k in parameters if not k.startswith("triton_"))
+    unknown = sorted(k for k in parameters if not k.startswith("triton_") and k not in allowed)
     if unknown:
-        raise InvalidInput(f"unknown request parameter(s) {unknown}: this model takes none{hint}")
+        takes = f"only {list(allowed)}" if allowed else "none"
+        raise InvalidInput(f"unknown request parameter(s) {unknown}: this model takes {takes}{hint}")
     return fault
 
 

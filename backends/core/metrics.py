@@ -26,3 +26,48 @@ class CustomMetrics:
         """Metrics before their families, as the python backend requires."""
         self.metrics.clear()
         self.families.clear()
+
+
+class QosMetrics:
+    """Per-class QoS series (label `qos_class`): queue depth, admitted, refused by reason, and the wait from arrival
+    to start as a histogram."""
+
+    WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+
+    def __init__(self, pb, labels: dict[str, str], classes: tuple[str, ...], reasons: tuple[str, ...]):
+        self.families = [
+            depth := pb.MetricFamily("qos_queue_depth", "requests waiting to start, per QoS class",
+                                     pb.MetricFamily.GAUGE),
+            admitted := pb.MetricFamily("qos_admitted_total", "requests started, per QoS class",
+                                        pb.MetricFamily.COUNTER),
+            rejected := pb.MetricFamily("qos_rejected_total", "requests refused (UNAVAILABLE), per QoS class and reason",
+                                        pb.MetricFamily.COUNTER),
+            wait := pb.MetricFamily("qos_wait_seconds", "time from arrival to start, per QoS class",
+                                    pb.MetricFamily.HISTOGRAM)]
+        by_class = {c: {**labels, "qos_class": c} for c in classes}
+        self.depth = {c: depth.Metric(by_class[c]) for c in classes}
+        self.admitted = {c: admitted.Metric(by_class[c]) for c in classes}
+        self.rejected = {(c, r): rejected.Metric({**by_class[c], "reason": r}) for c in classes for r in reasons}
+        self.wait = {c: wait.Metric(by_class[c], buckets=self.WAIT_BUCKETS_S) for c in classes}
+        self.counted: dict = {}
+
+    def update(self, stats: dict, waits: dict[str, list[float]]) -> None:
+        """`stats`: backends.core.qos.ClassStats by class (running totals); `waits`: new waits by class."""
+        for c, s in stats.items():
+            self.depth[c].set(s.queued)
+            self._advance(self.admitted[c], s.admitted)
+            for reason, total in s.rejected.items():
+                self._advance(self.rejected[c, reason], total)
+            for value in waits.get(c, ()):
+                self.wait[c].observe(value)
+
+    def _advance(self, counter, total: int) -> None:
+        done = self.counted.get(id(counter), 0)
+        if total > done:
+            counter.increment(total - done)
+            self.counted[id(counter)] = total
+
+    def close(self) -> None:
+        for series in (self.depth, self.admitted, self.rejected, self.wait):
+            series.clear()
+        self.families.clear()

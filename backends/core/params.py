@@ -42,6 +42,26 @@ def bounded(default: float | int | None, low: float | None = None, high: float |
     return dataclasses.field(default=default, metadata={"low": low, "high": high, "low_open": low_open})
 
 
+def mapping(default: str, keys: tuple[str, ...], zero: bool = False) -> Any:
+    """A string "key=number,..." giving a positive number (or zero, with `zero`) to each of `keys`, each once."""
+    return dataclasses.field(default=default, metadata={"keys": keys, "zero": zero})
+
+
+def parse_mapping(text: str, keys: tuple[str, ...], zero: bool = False) -> dict[str, float]:
+    values = {}
+    for item in text.split(","):
+        key, sep, number = item.partition("=")
+        key = key.strip()
+        if not sep or key not in keys or key in values:
+            raise ValueError(f"expected {', '.join(f'{k}=<number>' for k in keys)}; got {item.strip()!r}")
+        values[key] = float(number)
+        if not (math.isfinite(values[key]) and (values[key] >= 0 if zero else values[key] > 0)):
+            raise ValueError(f"{key} must be a number {'>= 0' if zero else '> 0'}")
+    if missing := [k for k in keys if k not in values]:
+        raise ValueError(f"missing {', '.join(missing)}")
+    return values
+
+
 def device(default: str = "auto") -> Any:
     """auto (CUDA when present), cpu, cuda or cuda:N."""
     return dataclasses.field(default=default, metadata={"pattern": DEVICE})
@@ -60,6 +80,11 @@ class Parameters:
                 raise ParameterError(f"parameter {f.name!r} = {value!r}: must be a finite number")
             if "choices" in meta and value not in meta["choices"]:
                 raise ParameterError(f"parameter {f.name!r} = {value!r}: allowed values are {list(meta['choices'])}")
+            if "keys" in meta:
+                try:
+                    parse_mapping(value, meta["keys"], meta["zero"])
+                except ValueError as e:
+                    raise ParameterError(f"parameter {f.name!r} = {value!r}: {e}") from None
             if "pattern" in meta and not meta["pattern"].fullmatch(str(value)):
                 raise ParameterError(f"parameter {f.name!r} = {value!r}: expected auto, cpu, cuda or cuda:N")
             low, high = meta.get("low"), meta.get("high")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import torch
 
 from backends.core.devices import DTYPES, resolve_device
 from backends.core.errors import InvalidInput
-from backends.core.params import Parameters, bounded, choice, device
+from backends.core.params import bounded, choice, device
+from backends.core.qos import QosParams, QosPolicy, Ticket
 from backends.llm.attention import AttentionMetadata
 from backends.llm.detokenizer import append_text, flush_text
 from backends.llm.adapter_cache import AUTO, AdapterCache
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class EngineConfig(Parameters):
+class EngineConfig(QosParams):
     """The engine's settings; also the `mm_llm` backend's model-config parameters (build_engines writes them)."""
 
     dtype: str = choice("bf16", *(d for d in DTYPES if d != "bf16"))
@@ -127,6 +129,7 @@ class LLMEngine:
                                   lora=self.adapters and self.adapters.slots)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
                                    chunk_tokens=config.chunk_tokens, adapters=self.adapters)
+        self.qos = QosPolicy(config)
         if self.runner.capture:
             before = torch.cuda.memory_reserved(self.device)
             with torch.inference_mode():
@@ -182,14 +185,15 @@ class LLMEngine:
         return peaks[0], peaks[1]
 
     # --- requests -------------------------------------------------------------------------------------------
-    def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", priority: int = 0,
+    def add(self, prompt: str | list[int], sampling: SamplingParams, request_id: str = "", ticket: Ticket | None = None,
             embeds: torch.Tensor | None = None, placeholder_id: int | None = None, embeds_key: bytes | None = None,
             fault: str | None = None, lora: tuple[tuple[LoraAdapter, float], ...] = ()) -> Sequence:
         """Queue a request; raises InvalidInput when it cannot fit the context or the KV cache.
         `embeds` [n, hidden] replace the embeddings of the n prompt tokens equal to `placeholder_id` (image features
         at the image placeholders, as the prompt was expanded for them); `embeds_key` names them for the prefix
         cache (e.g. a digest of the image file; default: a digest of `embeds` itself). `lora`: the request's
-        adapters and their shares (`choose_adapters`)."""
+        adapters and their shares (`choose_adapters`). `ticket`: its QoS class and place in the queue (default: the
+        default class, no timeout); its cost score is set here, from the prompt's text and image tokens."""
         if lora and self.adapters is None:
             raise InvalidInput("this model serves no LoRA adapters (its max_loras is 0)")
         if len(lora) > self.config.max_loras:  # it could never be admitted
@@ -211,7 +215,9 @@ class LLMEngine:
                                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)")
         if embeds is not None and embeds_key is None and self.config.prefix_caching:
             embeds_key = hashlib.blake2b(embeds.detach().cpu().contiguous().view(torch.uint8).numpy()).digest()
-        seq = Sequence(ids, sampling, request_id, priority, embeds=embeds, embed_positions=positions,
+        ticket = ticket or Ticket.untracked()
+        ticket.score = self.qos.score(image_tokens=len(positions), text_tokens=len(ids) - len(positions))
+        seq = Sequence(ids, sampling, request_id, ticket, embeds=embeds, embed_positions=positions,
                        embeds_key=embeds_key or b"", fault=fault, lora=lora)
         if lora:
             self.adapters.hold(a for a, _ in lora)
@@ -242,10 +248,12 @@ class LLMEngine:
     # --- the loop -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one prefill or decode step; returns the sequences that got a token (some may have finished)."""
+        """Run one prefill or decode step; returns the sequences that got a token (some may have finished), and
+        those that waited past their QoS timeout without starting (finished, with an Unavailable error)."""
+        expired = self._expire()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return []
+            return expired
         # a sequence whose step ends before its last token (a prompt chunk) gets no token this step
         done = [i for i, s in enumerate(seqs) if s.num_cached + s.step_tokens == s.num_tokens]
         try:
@@ -274,7 +282,17 @@ class LLMEngine:
                 seq.error = e
                 if not seq.finished:
                     self._finish(seq, "error")
-        return seqs
+        return expired + seqs
+
+    def _expire(self) -> list[Sequence]:
+        now = time.monotonic()
+        expired = self.scheduler.expired(now)
+        for seq in expired:
+            seq.error = seq.ticket.timeout_error(now)
+            if seq.ticket.gate is not None:
+                seq.ticket.gate.timed_out(seq.ticket)
+            self._finish(seq, "error")
+        return expired
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.num_cached = seq.num_tokens
@@ -293,6 +311,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        seq.ticket.end()
         if seq.lora:
             self.adapters.drop(a for a, _ in seq.lora)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

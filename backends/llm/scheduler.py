@@ -9,6 +9,7 @@ none is free, admission waits (in order) like it does for KV blocks.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from typing import TYPE_CHECKING
@@ -20,13 +21,13 @@ if TYPE_CHECKING:
     from backends.llm.adapter_cache import AdapterCache
 
 
-def fcfs(seq: Sequence) -> tuple:
-    """Scheduling order: priority class first, then arrival. The QoS issue replaces this with weighted aging."""
-    return (seq.priority, seq.arrival, seq.seq_id)
+def qos_order(seq: Sequence, now: float) -> tuple:
+    """Scheduling order, lowest first: the QoS ticket's (backends/core/qos.py), then arrival."""
+    return (*seq.ticket.key(now), seq.seq_id)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=fcfs,
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=qos_order,
                  chunk_tokens: int | None = None, adapters: AdapterCache | None = None):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
         self.adapters = adapters
@@ -49,6 +50,8 @@ class Scheduler:
         Without chunking, prompts prefill whole in steps of their own while the running sequences wait. With
         `chunk_tokens`, a step that has sequences decoding also takes prompt chunks up to that budget: every
         decoding sequence keeps its pace while long prompts (images) prefill."""
+        now = time.monotonic()
+        self.order = lambda seq: self.policy(seq, now)
         decoding = any(s.num_tokens - s.num_cached == 1 for s in self.running)
         if self.chunk_tokens is None or not decoding:
             if prefill := self._prefill(self.max_prefill_tokens, chunked=False):
@@ -62,9 +65,9 @@ class Scheduler:
         """Sequences part-way through their prompt first, then waiting ones admitted in policy order (shared prefix
         blocks and new ones), while the token budget lasts; a chunked step cuts the last prompt at the budget, an
         unchunked one runs a longer prompt whole when it comes first."""
-        partial = [s for s in sorted(self.running, key=self.policy) if s.num_tokens - s.num_cached > 1]
+        partial = [s for s in sorted(self.running, key=self.order) if s.num_tokens - s.num_cached > 1]
         chosen = []
-        for seq in [*partial, *sorted(self.waiting, key=self.policy)]:
+        for seq in [*partial, *sorted(self.waiting, key=self.order)]:
             if budget <= 0:
                 break
             if seq.status is Status.WAITING:
@@ -78,6 +81,7 @@ class Scheduler:
                     self._give_slots(seq)
                     break
                 self.waiting.remove(seq)
+                seq.ticket.start()
                 seq.status = Status.RUNNING
                 self.running.append(seq)
             remaining = seq.num_tokens - seq.num_cached
@@ -89,7 +93,7 @@ class Scheduler:
     def _decode(self) -> list[Sequence]:
         """The running sequences that have all but their newest token cached, each given room for it; when the pool
         runs dry, the sequences last in policy order are preempted."""
-        self.running.sort(key=self.policy)
+        self.running.sort(key=self.order)
         decode, kept = [], []
         while self.running:
             seq = self.running.pop(0)
@@ -106,6 +110,10 @@ class Scheduler:
             decode.append(seq)
         self.running = decode + kept + self.running
         return list(decode)  # a copy: finishing sequences leave `running` while the caller iterates
+
+    def expired(self, now: float) -> list[Sequence]:
+        """Waiting sequences that never started and have waited past their QoS timeout."""
+        return [s for s in self.waiting if not s.ticket.started and s.ticket.expired(now)]
 
     def _take_slots(self, seq: Sequence) -> bool:
         if not seq.lora:

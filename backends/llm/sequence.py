@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backends.core.qos import Ticket
 from backends.llm.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     request_id: str = ""
-    priority: int = 0  # lower runs first; the QoS issue adds classes and aging
+    ticket: Ticket = field(default_factory=Ticket.untracked)  # its QoS class, cost score and arrival
     arrival: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)

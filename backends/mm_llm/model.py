@@ -31,8 +31,9 @@ import torch
 from backends.core.adapter import TritonBackend, inject
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
-from backends.core.metrics import CustomMetrics
+from backends.core.metrics import CustomMetrics, QosMetrics
 from backends.core.outbox import Outbox
+from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, Ticket, read_qos_class
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine, StepFailed
 from backends.llm.adapters import LoraAdapter
@@ -67,6 +68,7 @@ class Pending:
     request: object
     sender: object
     ask: GenerationRequest
+    ticket: Ticket
     fault: str | None = None
     prepared: Future | None = None  # work started in `execute` that must finish before the request is admitted
     lora: tuple[tuple[LoraAdapter, float], ...] = ()  # its adapters and their shares
@@ -131,7 +133,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.metrics = CustomMetrics(self.pb, self.labels, {**GAUGES, **(LORA_GAUGES if lora else {})},
                                      {**COUNTERS, **(LORA_COUNTERS if lora else {})})
         self.metrics.update(*engine_stats(self.engine))
-        self.outbox = Outbox(self._text, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self.metrics.update,
+        self.qos_metrics = QosMetrics(self.pb, self.labels, CLASSES, REJECTIONS)
+        self.outbox = Outbox(self._text, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self._update_metrics,
                              poll_s=HOUSEKEEPING_S, name=f"{self.name}-outbox", threads=self.params.response_threads)
         self.thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
         self.thread.start()
@@ -139,18 +142,24 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            pending = None
             try:
-                fault = self.check_parameters(request, hint=OPTIONS_HINT)
+                fault = self.check_parameters(request, hint=OPTIONS_HINT, allowed=(QOS_PARAMETER,))
                 inject(fault, "read")
                 inputs = self.inputs(request)
                 if (action := read_adapter_action(inputs)) is not None:
                     self._control(action, sender)
                     continue
-                pending = Pending(request, sender, read_generation_request(inputs, self.engine.max_model_len), fault)
+                ticket = self.engine.qos.ticket(read_qos_class(json.loads(request.parameters() or "{}")))
+                pending = Pending(request, sender, read_generation_request(inputs, self.engine.max_model_len), ticket,
+                                  fault)
                 if pending.ask.lora_id:  # read from the root here if need be, not on the engine loop
                     pending.lora = self.engine.choose_adapters(pending.ask.lora_id, pending.ask.prompt)
+                self.engine.qos.admit(ticket)  # the class's queue is full: refused now (UNAVAILABLE)
                 pending.prepared = self.prepare(inputs, pending)
             except Exception as e:
+                if pending is not None:
+                    pending.ticket.end()
                 self._fail(sender, e)
                 continue
             self.inbox.put(pending)
@@ -199,11 +208,13 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.active.clear()
         self._take_inbox()
         for pending in self.pending:
+            pending.ticket.end()
             self._send_error(pending.sender, unloading)
         self.pending.clear()
         for unload in self._unloads():  # every request that used them has just ended
             self._send_unloaded(unload)
         self.metrics.close()
+        self.qos_metrics.close()
 
     # --- the engine loop ------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -248,10 +259,11 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             try:
                 if isinstance(item, Exception):
                     raise item
-                seq = self.engine.add(item.prompt, pending.ask.sampling, pending.request.request_id(),
+                seq = self.engine.add(item.prompt, pending.ask.sampling, pending.request.request_id(), pending.ticket,
                                       embeds=item.embeds, placeholder_id=item.placeholder_id,
                                       embeds_key=item.embeds_key, fault=pending.fault, lora=pending.lora)
             except Exception as e:
+                pending.ticket.end()
                 self.outbox.send(pending.sender, self.error_response(e))
                 continue
             self.active[seq] = Stream(pending.request, pending.sender, pending.ask.stream)
@@ -308,6 +320,12 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             self.outbox.text(stream.sender, seq.text, final=True)
         if seq.finished:
             del self.active[seq]
+
+    def _update_metrics(self, gauges: dict, totals: dict) -> None:
+        """On the outbox thread."""
+        self.metrics.update(gauges, totals)
+        admission = self.engine.qos.admission
+        self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
 
     def _text(self, text: str):
         return self.pb.InferenceResponse([self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))])

@@ -1,0 +1,173 @@
+"""QoS for the queues our backends keep: classes, a cost score, aging, queue limits and deadlines.
+
+A request names its class with the request parameter `qos_class` (high, normal or low; default normal). Its cost
+score S = w_image * image_tokens / image_max + w_audio * audio_s / audio_max + w_text * text_tokens / text_max (each
+size capped at its maximum) comes from its sizes after decoding. Waiting requests are served in this order:
+1. overdue ones, having waited their class's `max_wait_s`, earliest deadline (arrival + max_wait_s) first: the
+   aging bound, so the low class is never starved and no request is passed by one that came after its deadline;
+2. then by class, and within a class by S - waited / max_wait_s (cheap first, the wait making up for the cost).
+A class holds at most `max_queued` waiting requests: one more is refused at once (UNAVAILABLE, with the reason), and a
+request that has waited `timeout_s` without starting is refused then, never left to time out at the client.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+from backends.core.errors import InvalidInput, Unavailable
+from backends.core.params import Parameters, mapping, parse_mapping
+
+CLASSES = ("high", "normal", "low")  # in rank order
+DEFAULT_CLASS = "normal"
+QOS_PARAMETER = "qos_class"
+SIZES = ("image", "audio", "text")  # image tokens, audio seconds, text tokens
+REJECTIONS = ("queue_full", "timeout")  # why a request was refused
+
+
+@dataclass(frozen=True)
+class QosParams(Parameters):
+    """Model-config parameters of every backend that queues requests itself."""
+
+    qos_max_wait_s: str = mapping("high=1,normal=5,low=30", CLASSES)  # the aging bound per class
+    qos_max_queued: str = mapping("high=256,normal=512,low=512", CLASSES)  # waiting requests per class
+    qos_timeout_s: str = mapping("high=30,normal=120,low=600", CLASSES)  # longest wait before starting
+    qos_weights: str = mapping("image=0.4,audio=0.35,text=0.25", SIZES, zero=True)  # of the cost score
+    qos_size_max: str = mapping("image=2880,audio=30,text=8192", SIZES)  # sizes that count as 1 in the score
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's place in a QoS queue."""
+
+    qos_class: str
+    rank: int
+    score: float
+    max_wait_s: float
+    timeout_s: float
+    arrival: float = field(default_factory=time.monotonic)
+    gate: Admission | None = None  # counts it as queued until it starts or ends
+    queued: bool = False
+    started: bool = False
+
+    @classmethod
+    def untracked(cls) -> Ticket:
+        """For work outside QoS (offline use, tests): the default class, first come first served, no timeout."""
+        return cls(DEFAULT_CLASS, CLASSES.index(DEFAULT_CLASS), 0.0, math.inf, math.inf)
+
+    def key(self, now: float) -> tuple:
+        """Sort key, lowest first (see the module's docstring)."""
+        waited = now - self.arrival
+        if waited >= self.max_wait_s:
+            return (0, self.arrival + self.max_wait_s)
+        return (1, self.rank, self.score - waited / self.max_wait_s)
+
+    def expired(self, now: float) -> bool:
+        return now - self.arrival >= self.timeout_s
+
+    def timeout_error(self, now: float) -> Unavailable:
+        return Unavailable(f"waited {now - self.arrival:.1f} s in the {self.qos_class} queue without starting "
+                           f"(its timeout is {self.timeout_s:g} s): the server is overloaded, retry later")
+
+    def start(self) -> None:
+        """It leaves the queue to run (counted as admitted, with its wait); again after a preemption: nothing."""
+        self.started = True
+        if self.gate is not None:
+            self.gate.leave(self, started=True)
+
+    def end(self) -> None:
+        """It ended (finished, cancelled, failed); if it never started, it leaves the queue uncounted."""
+        if self.gate is not None:
+            self.gate.leave(self, started=False)
+
+
+@dataclass
+class ClassStats:
+    queued: int = 0
+    admitted: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTIONS, 0))
+    waits: list[float] = field(default_factory=list)  # seconds from arrival to start, since the last `drain_waits`
+
+
+class Admission:
+    """Thread-safe per-class count of waiting requests: refuses one more than a class's limit."""
+
+    def __init__(self, limits: dict[str, float]):
+        self.limits = limits
+        self.stats = {name: ClassStats() for name in CLASSES}
+        self._lock = threading.Lock()
+
+    def enter(self, ticket: Ticket) -> None:
+        with self._lock:
+            stats = self.stats[ticket.qos_class]
+            if stats.queued >= self.limits[ticket.qos_class]:
+                stats.rejected["queue_full"] += 1
+                raise Unavailable(f"the {ticket.qos_class} queue is full ({stats.queued} requests waiting): the "
+                                  "server is overloaded, retry later")
+            stats.queued += 1
+            ticket.gate, ticket.queued = self, True
+
+    def leave(self, ticket: Ticket, started: bool) -> None:
+        with self._lock:
+            if not ticket.queued:
+                return
+            ticket.queued = False
+            stats = self.stats[ticket.qos_class]
+            stats.queued -= 1
+            if started:
+                stats.admitted += 1
+                stats.waits.append(time.monotonic() - ticket.arrival)
+
+    def timed_out(self, ticket: Ticket) -> None:
+        with self._lock:
+            self.stats[ticket.qos_class].rejected["timeout"] += 1
+        self.leave(ticket, started=False)
+
+    def drain_waits(self) -> dict[str, list[float]]:
+        with self._lock:
+            waits = {name: s.waits for name, s in self.stats.items()}
+            for s in self.stats.values():
+                s.waits = []
+            return waits
+
+    def snapshot(self) -> dict[str, ClassStats]:
+        with self._lock:
+            return {name: dataclasses.replace(s, rejected=dict(s.rejected), waits=[]) for name, s in self.stats.items()}
+
+
+class QosPolicy:
+    """A model's QoS settings: makes tickets and admits them."""
+
+    def __init__(self, params: QosParams):
+        self.max_wait_s = parse_mapping(params.qos_max_wait_s, CLASSES)
+        self.timeout_s = parse_mapping(params.qos_timeout_s, CLASSES)
+        self.weights = parse_mapping(params.qos_weights, SIZES, zero=True)
+        self.size_max = parse_mapping(params.qos_size_max, SIZES)
+        self.admission = Admission(parse_mapping(params.qos_max_queued, CLASSES))
+
+    def score(self, image_tokens: float = 0, audio_s: float = 0, text_tokens: float = 0) -> float:
+        sizes = {"image": image_tokens, "audio": audio_s, "text": text_tokens}
+        return sum(self.weights[k] * min(sizes[k] / self.size_max[k], 1.0) for k in SIZES)
+
+    def ticket(self, qos_class: str | None = None, score: float = 0.0, arrival: float | None = None) -> Ticket:
+        """A ticket for a request of `qos_class` (None: the default class), not yet admitted."""
+        name = DEFAULT_CLASS if qos_class is None else qos_class
+        if name not in CLASSES:
+            raise InvalidInput(f"request parameter {QOS_PARAMETER!r} = {qos_class!r}: expected one of {list(CLASSES)}")
+        return Ticket(name, CLASSES.index(name), score, self.max_wait_s[name], self.timeout_s[name],
+                      time.monotonic() if arrival is None else arrival)
+
+    def admit(self, ticket: Ticket) -> Ticket:
+        """Count it as waiting, or raise Unavailable when its class's queue is full."""
+        self.admission.enter(ticket)
+        return ticket
+
+
+def read_qos_class(parameters: dict) -> str | None:
+    """The `qos_class` request parameter (a string), taken out of `parameters`."""
+    value = parameters.pop(QOS_PARAMETER, None)
+    if value is not None and not isinstance(value, str):
+        raise InvalidInput(f"request parameter {QOS_PARAMETER!r} must be a string, one of {list(CLASSES)}")
+    return value

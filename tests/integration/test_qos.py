@@ -1,0 +1,106 @@
+"""QoS on the served `llm` (one batch slot, small class queues): a burst of heavy low-class requests does not hold
+up a high-class one, a full class queue refuses at once with UNAVAILABLE and the reason, nothing hangs, the KV cache
+goes back to idle, and the per-class metrics count what happened."""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import pytest
+import tritonclient.grpc.aio as grpcclient
+
+from backends.server import TritonServer, free_port
+from build_engines.cli import main as build_engines
+from client.sdk import generation_inputs
+from perf.llm import stream_one
+from tests.conftest import ROOT
+
+HEAVY = "the cat sat on the red car by the tree " * 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, llm_checkpoint):
+    repository = tmp_path_factory.mktemp("qos")
+    assert build_engines(["llm", "--checkpoint", str(llm_checkpoint), "--repository", str(repository),
+                          "--kv-cache-memory-mb", "16", "--max-batch", "1",
+                          "--qos-max-queued", "high=4,normal=4,low=3"]) == 0
+    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-qos.log") as running:
+        yield running
+
+
+def metrics(server) -> str:
+    return urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """The first series `name` whose labels include `labels`."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no series {name}{labels} in the metrics")
+
+
+async def until(server, name: str, count: int, **labels: str) -> None:
+    deadline = time.monotonic() + 10
+    while value(metrics(server), name, **labels) < count:
+        assert time.monotonic() < deadline, f"{name}{labels} never reached {count}"
+        await asyncio.sleep(0.005)
+
+
+async def burst(server) -> tuple[list, object, object, object]:
+    """Four heavy low-class requests (one runs, three wait: the low queue is full), then one more low one and a
+    high one."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def send(prompt: str, tokens: int, qos_class: str):
+        inputs = generation_inputs(grpcclient, prompt, tokens, min_length=tokens)
+        return asyncio.ensure_future(stream_one(client, "llm", inputs, {"qos_class": qos_class}))
+
+    try:
+        lows = [send(HEAVY, 400, "low")]
+        await until(server, "llm_sequences_running", 1)
+        lows += [send(HEAVY, 400, "low") for _ in range(3)]
+        await until(server, "qos_queue_depth", 3, qos_class="low")
+        refused = send("one more", 4, "low")
+        high = send("urgent", 4, "high")
+        unknown = send("urgent", 4, "urgent")
+        results = await asyncio.wait_for(asyncio.gather(*lows, refused, high, unknown), timeout=120)
+    finally:
+        await client.close()
+    return results[:4], results[4], results[5], results[6]
+
+
+def test_under_a_burst_the_high_class_goes_first_and_a_full_queue_refuses_at_once(server):
+    before = metrics(server)
+    lows, refused, high, unknown = asyncio.run(burst(server))
+    assert [t.error for t in lows] == [None] * 4 and high.error is None
+    # the high request arrived last but ran as soon as the batch slot was free: before every low one still waiting
+    assert high.ended < min(t.ended for t in lows[1:])
+    assert refused.error and "the low queue is full (3 requests waiting)" in refused.error
+    assert refused.ended - refused.sent < 0.05, "refused at once, not left to time out"
+    assert unknown.error and "'qos_class' = 'urgent': expected one of ['high', 'normal', 'low']" in unknown.error
+    after = metrics(server)
+    assert value(after, "llm_kv_blocks_free") == value(after, "llm_kv_blocks_total")
+    assert value(after, "qos_queue_depth", qos_class="low") == 0
+    for name, labels, grew in (("qos_rejected_total", {"qos_class": "low", "reason": "queue_full"}, 1),
+                               ("qos_admitted_total", {"qos_class": "low"}, 4),
+                               ("qos_admitted_total", {"qos_class": "high"}, 1),
+                               ("qos_wait_seconds_count", {"qos_class": "low"}, 4)):
+        assert value(after, name, **labels) - value(before, name, **labels) == grew, (name, labels)
+    # the lows that waited behind the running one show it in the histogram: some wait of at least 10 ms
+    assert value(after, "qos_wait_seconds_bucket", qos_class="low", le="0.01") < value(
+        after, "qos_wait_seconds_count", qos_class="low")
+
+
+def test_the_server_keeps_serving_after_the_burst(server):
+    async def one():
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            return await stream_one(client, "llm", generation_inputs(grpcclient, "hello", 4), {"qos_class": "normal"})
+        finally:
+            await client.close()
+    timing = asyncio.run(one())
+    assert timing.error is None and timing.text
+    assert re.search(r'qos_queue_depth\{.*qos_class="normal"', metrics(server))

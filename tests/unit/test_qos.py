@@ -1,0 +1,146 @@
+"""backends/core/qos.py and the LLM engine's queue under it: order by class then aged cost score, the aging bound,
+per-class queue limits, timeouts, and the reasons given when a request is refused."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backends.core.errors import InvalidInput, Unavailable
+from backends.core.params import ParameterError
+from backends.core.qos import QosParams, QosPolicy, Ticket
+from backends.llm.engine import EngineConfig, LLMEngine
+from backends.llm.sampling import SamplingParams
+from build_engines.checkpoints import tiny_checkpoint
+from tests.conftest import ROOT
+
+POLICY = QosPolicy(QosParams(qos_max_wait_s="high=1,normal=4,low=10", qos_max_queued="high=2,normal=2,low=1",
+                             qos_timeout_s="high=5,normal=5,low=20"))
+
+
+def order(tickets: list[Ticket], now: float) -> list[Ticket]:
+    return sorted(tickets, key=lambda t: t.key(now))
+
+
+def test_cost_score_weights_normalised_sizes_capped_at_their_maximum():
+    policy = QosPolicy(QosParams(qos_size_max="image=1000,audio=10,text=100"))
+    assert policy.score() == 0
+    assert policy.score(image_tokens=500) == pytest.approx(0.4 * 0.5)
+    assert policy.score(audio_s=5, text_tokens=50) == pytest.approx(0.35 * 0.5 + 0.25 * 0.5)
+    assert policy.score(image_tokens=10**6, audio_s=10**6, text_tokens=10**6) == pytest.approx(1.0)
+
+
+def test_class_first_then_the_cheaper_then_the_wait_makes_up_for_the_cost():
+    t0 = 100.0
+    high_heavy = POLICY.ticket("high", score=0.9, arrival=t0)
+    normal_light = POLICY.ticket("normal", score=0.0, arrival=t0)
+    normal_heavy = POLICY.ticket(None, score=0.8, arrival=t0)
+    low = POLICY.ticket("low", score=0.0, arrival=t0)
+    assert order([low, normal_heavy, normal_light, high_heavy], t0) == [high_heavy, normal_light, normal_heavy, low]
+    # within a class, a heavy request that has waited 3.5 of its 4 s (0.8 - 0.875) passes a light one just arrived
+    fresh_light = POLICY.ticket("normal", score=0.0, arrival=t0 + 3.5)
+    assert order([fresh_light, normal_heavy], t0 + 3.5) == [normal_heavy, fresh_light]
+
+
+def test_the_aging_bound_overdue_requests_go_first_by_deadline():
+    t0 = 0.0
+    low = POLICY.ticket("low", score=1.0, arrival=t0)  # deadline t0 + 10
+    normal = POLICY.ticket("normal", score=1.0, arrival=t0 + 7)  # deadline t0 + 11
+    high = POLICY.ticket("high", score=0.0, arrival=t0 + 10.5)  # deadline t0 + 11.5
+    assert order([high, normal, low], t0 + 10.5)[0] is low  # overdue: ahead of a fresh high request
+    assert order([high, normal, low], t0 + 11.2) == [low, normal, high]  # both overdue, earliest deadline first
+
+
+def test_a_low_request_is_served_within_its_bound_under_a_stream_of_high_ones():
+    """One request served per 0.1 s tick, two high ones arriving every tick (twice the capacity): class order alone
+    would starve the low request forever. Overdue first by deadline, with the high queue's limit (2) bounding what
+    can be overdue before it, it starts within its bound of 10 s plus two ticks."""
+    policy = QosPolicy(QosParams(qos_max_wait_s="high=1,normal=4,low=10", qos_max_queued="high=2,normal=2,low=1"))
+    now, queue, refused = 0.0, [policy.admit(policy.ticket("low", score=0.5, arrival=0.0))], 0
+    while True:
+        for _ in range(2):
+            try:
+                queue.append(policy.admit(policy.ticket("high", score=0.0, arrival=now)))
+            except Unavailable:
+                refused += 1
+        served = order(queue, now)[0]
+        queue.remove(served)
+        served.start()
+        if served.qos_class == "low":
+            break
+        now += 0.1
+    assert 10.0 <= now <= 10.2 + 1e-9 and refused > 90
+
+
+def test_queue_limits_refuse_at_once_with_the_reason_and_count_by_class():
+    policy = QosPolicy(QosParams(qos_max_queued="high=1,normal=2,low=1"))
+    first = policy.admit(policy.ticket("low"))
+    with pytest.raises(Unavailable, match=r"the low queue is full \(1 requests waiting\)"):
+        policy.admit(policy.ticket("low"))
+    policy.admit(policy.ticket("high"))  # other classes have their own room
+    first.start()
+    first.start()  # idempotent: a preempted sequence starts again
+    first.end()
+    second = policy.admit(policy.ticket("low"))
+    second.end()  # ended before it started: leaves the queue, not admitted
+    stats = policy.admission.snapshot()
+    assert (stats["low"].queued, stats["low"].admitted, stats["low"].rejected) == (0, 1, {"queue_full": 1,
+                                                                                         "timeout": 0})
+    assert stats["high"].queued == 1 and policy.admission.drain_waits()["low"][0] >= 0
+
+
+def test_a_bad_class_or_setting_is_named():
+    with pytest.raises(InvalidInput, match="'qos_class' = 'urgent': expected one of"):
+        POLICY.ticket("urgent")
+    with pytest.raises(ParameterError, match="'qos_max_wait_s'.*missing low"):
+        QosParams(qos_max_wait_s="high=1,normal=2")
+    with pytest.raises(ParameterError, match="'qos_timeout_s'.*high must be a number > 0"):
+        QosParams(qos_timeout_s="high=0,normal=2,low=3")
+    with pytest.raises(ParameterError, match="'qos_weights'"):
+        QosParams(qos_weights="image=0.4,audio=0.35,txt=0.25")
+    assert QosParams.from_config({"qos_weights": "image=1,audio=0,text=0"}).qos_weights == "image=1,audio=0,text=0"
+
+
+# --- the engine's queue ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(tiny_checkpoint("llm", ROOT / ".checkpoints"),
+                     EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=1,
+                                  qos_timeout_s="high=30,normal=30,low=0.05"))
+
+
+def run_to_end(engine: LLMEngine) -> list:
+    started = []
+    while engine.has_work:
+        started += [s for s in engine.scheduler.running if s not in started]
+        engine.step()
+    return started
+
+
+def test_the_engine_runs_the_high_class_first_and_the_lighter_request_first_within_a_class(engine):
+    sampling = SamplingParams(max_tokens=2, min_tokens=2)
+    qos = engine.qos
+    busy = engine.add("warm up the batch slot", sampling, ticket=qos.ticket("normal"))
+    engine.step()  # `busy` holds the one batch slot
+    heavy = engine.add("a much longer prompt " * 20, sampling, ticket=qos.ticket("normal"))
+    light = engine.add("short", sampling, ticket=qos.ticket("normal"))
+    high = engine.add("a much longer prompt " * 20, sampling, ticket=qos.ticket("high"))
+    assert heavy.ticket.score > light.ticket.score > 0
+    assert run_to_end(engine) == [busy, high, light, heavy]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_request_that_waits_past_its_timeout_without_starting_is_refused_and_frees_its_place(engine):
+    qos, sampling = engine.qos, SamplingParams(max_tokens=4, min_tokens=4)
+    busy = engine.add("hold the slot", sampling, ticket=qos.admit(qos.ticket("normal")))
+    engine.step()
+    late = engine.add("waits", sampling, ticket=qos.admit(qos.ticket("low")))
+    time.sleep(0.06)
+    finished = engine.step()
+    assert late in finished and late.finished and isinstance(late.error, Unavailable)
+    assert "in the low queue without starting (its timeout is 0.05 s)" in str(late.error)
+    run_to_end(engine)
+    assert busy.finish_reason == "length" and busy.ticket.started
+    stats = qos.admission.snapshot()
+    assert stats["low"].rejected["timeout"] == 1 and stats["low"].queued == 0 and stats["normal"].admitted >= 1
+    assert engine.blocks.num_free == engine.blocks.num_blocks

@@ -3,7 +3,8 @@
 A step is either a prefill (waiting sequences join: their prompts, or prompt + output after a preemption, go
 through the model at once) or a decode (every running sequence adds one token). New requests join between decode
 steps as soon as the batch and the KV cache have room. When a decode step needs a block and none is free, the
-sequence that would run last (`policy` order) is preempted: its blocks are freed and it is recomputed later.
+sequence that would run last (`policy` order) is preempted: its blocks are freed and it is recomputed later. A full
+batch preempts the same way for a waiting sequence of a higher QoS class (backends/core/qos.py).
 A sequence with LoRA adapters also needs their device slots to be admitted; it holds them while it runs, and when
 none is free, admission waits (in order) like it does for KV blocks.
 """
@@ -71,7 +72,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.status is Status.WAITING:
-                if len(self.running) >= self.max_batch:
+                if len(self.running) >= self.max_batch and not self._make_room(seq, chosen):
                     break
                 if not chunked and chosen and seq.num_tokens > budget:
                     break
@@ -89,6 +90,19 @@ class Scheduler:
             budget -= seq.step_tokens
             chosen.append(seq)
         return chosen
+
+    def _make_room(self, seq: Sequence, chosen: list[Sequence]) -> bool:
+        """A full batch takes a waiting sequence of a higher QoS class by preempting the running sequence last in
+        order, when that one is of a lower class and not overdue (the aging bound protects it)."""
+        candidates = [s for s in self.running if s not in chosen]
+        if not candidates:
+            return False
+        victim = max(candidates, key=self.order)
+        if victim.ticket.rank <= seq.ticket.rank or self.order(victim) < self.order(seq):
+            return False
+        self.running.remove(victim)
+        self.preempt(victim)
+        return True
 
     def _decode(self) -> list[Sequence]:
         """The running sequences that have all but their newest token cached, each given room for it; when the pool

@@ -144,3 +144,31 @@ def test_a_request_that_waits_past_its_timeout_without_starting_is_refused_and_f
     stats = qos.admission.snapshot()
     assert stats["low"].rejected["timeout"] == 1 and stats["low"].queued == 0 and stats["normal"].admitted >= 1
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_full_batch_preempts_a_lower_class_for_a_higher_one_and_the_preempted_text_is_unchanged(engine):
+    qos, sampling = engine.qos, SamplingParams(max_tokens=12, min_tokens=12)
+    alone = engine.generate(["the cat sat on the red car"], sampling)[0].text
+    low = engine.add("the cat sat on the red car", sampling, ticket=qos.ticket("low"))
+    for _ in range(4):
+        engine.step()
+    high = engine.add("urgent", SamplingParams(max_tokens=3, min_tokens=3), ticket=qos.ticket("high"))
+    engine.step()
+    assert engine.scheduler.running == [high] and low.preemptions == 1
+    normal = engine.add("a normal one", SamplingParams(max_tokens=3, min_tokens=3), ticket=qos.ticket("normal"))
+    run_to_end(engine)
+    assert high.preemptions == 0 and normal.preemptions == 0  # a higher class is never preempted for a lower one
+    assert low.text == alone and low.finish_reason == "length"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_an_overdue_request_is_not_preempted_for_a_higher_class(engine):
+    qos, sampling = engine.qos, SamplingParams(max_tokens=6, min_tokens=6)
+    # normal: overdue after 5 s, refused if not started after 30 s
+    normal = engine.add("waited long", sampling, ticket=qos.ticket("normal", arrival=time.monotonic() - 10))
+    engine.step()
+    high = engine.add("urgent", sampling, ticket=qos.ticket("high"))
+    engine.step()
+    assert engine.scheduler.running == [normal] and normal.preemptions == 0
+    run_to_end(engine)
+    assert high.finish_reason == "length"

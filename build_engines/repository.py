@@ -13,7 +13,8 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from backends.core.params import Parameters
+from backends.core.params import Parameters, parse_mapping
+from backends.core.qos import CLASSES, DEFAULT_CLASS, QosParams
 
 TYPES = {"BYTES": mc.TYPE_STRING, "FP32": mc.TYPE_FP32, "INT32": mc.TYPE_INT32, "INT64": mc.TYPE_INT64,
          "BOOL": mc.TYPE_BOOL}
@@ -57,6 +58,7 @@ class PythonModelConfig:
                     added.optional = True
         if self.max_queue_delay_us is not None:
             config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
+            priority_queues(config.dynamic_batching)
         if self.decoupled:
             config.model_transaction_policy.decoupled = True
         config.instance_group.add(count=self.instances, kind=getattr(mc.ModelInstanceGroup, self.kind))
@@ -72,6 +74,20 @@ class PythonModelConfig:
             entry.dims.extend(self.inputs[0].dims)
             entry.input_data_file = self.warmup_file
         return text_format.MessageToString(config)
+
+
+def priority_queues(batching, params: QosParams = QosParams()) -> None:
+    """The QoS classes in Triton's dynamic batcher: request priority 1, 2, 3 = high, normal, low (default normal),
+    each level with its class's queue limit and timeout; a request over either is rejected (UNAVAILABLE)."""
+    limits, timeouts = parse_mapping(params.qos_max_queued, CLASSES), parse_mapping(params.qos_timeout_s, CLASSES)
+    batching.priority_levels = len(CLASSES)
+    batching.default_priority_level = CLASSES.index(DEFAULT_CLASS) + 1
+    for level, name in enumerate(CLASSES, 1):
+        policy = batching.priority_queue_policy[level]
+        policy.max_queue_size = int(limits[name])
+        policy.default_timeout_microseconds = int(timeouts[name] * 1e6)
+        policy.timeout_action = mc.ModelQueuePolicy.REJECT
+        policy.allow_timeout_override = True
 
 
 def serialize_bytes_tensor(items: list[bytes]) -> bytes:

@@ -28,7 +28,8 @@
 #   default) and FP8 with per-token activations, one run (perf.llm_engine --variants);
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
-#   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time)
+#   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
+#   "qos": perf.qos on Llama-3-8B shapes (random bf16): QoS beside first come first served, light / 1x / 2x capacity)
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -173,5 +174,10 @@ if [[ " ${SCENARIOS:-images} " == *" llm8b "* ]]; then
 from perf.report import hardware_line; \
 served_llm_in_process_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], Path(tempfile.mkdtemp()), \
 hardware_line('2.51.0'))" "$results" "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" qos "* ]]; then
+  "${build[@]}" llm --random-init llama-3-8b --precision bf16 --device cuda
+  "$py" -m perf.qos --checkpoint .checkpoints/random-llama-3-8b --device cuda --max-batch 64 \
+    --kv-cache-memory-mb 24000 --results "$results" --host "${HOST:-gpu}"
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, help="LLM checkpoint (default: the tiny test model)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-batch", type=int, default=4, help="the engines' batch (small: queues form on CPU)")
+    parser.add_argument("--kv-cache-memory-mb", type=int, help="per engine (two share the device)")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="x capacity")
     parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     repository = Path(tempfile.mkdtemp(prefix="qos-bench-"))
     for name, extra in MODELS.items():
         assert build_engines(["llm", "--checkpoint", str(checkpoint), "--repository", str(repository), "--name", name,
-                              "--device", args.device, "--max-batch", str(args.max_batch), *extra]) == 0
+                              "--device", args.device, "--max-batch", str(args.max_batch), *extra,
+                              *(["--kv-cache-memory-mb", str(args.kv_cache_memory_mb)] if args.kv_cache_memory_mb
+                                else [])]) == 0
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     mix = MIX
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731

@@ -29,6 +29,14 @@ def test_config_renders_to_valid_triton_protobuf():
     assert config.output[0].label_filename == "labels.txt"
     assert config.instance_group[0].count == 2
     assert config.model_warmup[0].inputs["image"].input_data_file == "image"
+    # the QoS classes as Triton's priority levels: 1 high, 2 normal (the default), 3 low, each limited and timed
+    batching = config.dynamic_batching
+    assert (batching.priority_levels, batching.default_priority_level) == (3, 2)
+    queues = {level: (q.max_queue_size, q.default_timeout_microseconds, q.timeout_action, q.allow_timeout_override)
+              for level, q in batching.priority_queue_policy.items()}
+    assert queues == {1: (256, 30_000_000, mc.ModelQueuePolicy.REJECT, True),
+                      2: (512, 120_000_000, mc.ModelQueuePolicy.REJECT, True),
+                      3: (512, 600_000_000, mc.ModelQueuePolicy.REJECT, True)}
 
 
 def test_unknown_config_keys_are_rejected():

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument("--lora", help="a LoRA adapter of the model (its folder name in the adapter root, or auto)")
+    generate.add_argument("--qos-class", choices=["high", "normal", "low"], help="the request's QoS class")
     adapters = sub.add_parser("adapters", help="list, load or unload a generating model's LoRA adapters")
     adapters.add_argument("action", choices=["list", "load", "unload"])
     adapters.add_argument("name", nargs="?", default="", help="the adapter (load, unload)")
@@ -130,7 +131,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
                     if v is not None}
         image = args.image.read_bytes() if args.image else None
         _print_stream(client.generate(args.prompt, args.max_tokens, stream=args.stream, model=args.model,
-                                      image=image, **optional))
+                                      image=image, qos_class=args.qos_class, **optional))
     elif args.command == "adapters":
         if args.action != "list" and not args.name:
             parser.error(f"adapters {args.action} needs the adapter's name")

@@ -122,18 +122,22 @@ class Client:
         return out["pixel_values"], int(out["num_image_tokens"].reshape(-1)[0])
 
     def generate(self, prompt: str, max_tokens: int = 64, stream: bool = True, model: str | None = None,
-                 timeout_s: float = 300.0, image: bytes | None = None, **optional) -> Iterator[str]:
+                 timeout_s: float = 300.0, image: bytes | None = None, qos_class: str | None = None,
+                 **optional) -> Iterator[str]:
         """Text from a decoupled generating model: deltas as they arrive (stream=True) or the whole answer once.
         The model is `llm`, or `vlm` when `image` (an encoded file) is given, unless `model` names another. gRPC
         streams bidirectionally; HTTP uses Triton's generate_stream endpoint (no images: JSON carries no bytes).
         `optional`: temperature, top_k, top_p, seed, stop, min_length, lora_id (a LoRA adapter's name, or "auto").
+        `qos_class`: high, normal or low (the request parameter of the same name; default: the model's, normal).
         Bad arguments raise here, errors from the server while iterating; `timeout_s` bounds the wait for each
         response."""
         model = model or ("vlm" if image is not None else "llm")
         arrays = generation_arrays(prompt, max_tokens, stream, image, **optional)
+        parameters = {"qos_class": qos_class} if qos_class else None
         if self.protocol == "http":
-            return http_generate_stream(self.url, model, generate_request_body(arrays), timeout_s)
-        return self._stream_grpc(model, infer_inputs(self.api, arrays), timeout_s)
+            body = generate_request_body(arrays) | ({"parameters": parameters} if parameters else {})
+            return http_generate_stream(self.url, model, body, timeout_s)
+        return self._stream_grpc(model, infer_inputs(self.api, arrays), timeout_s, parameters)
 
     def adapters(self, action: str = "list", name: str = "", model: str = "llm", timeout_s: float = 300.0) -> dict:
         """Load, unload (answered once no request uses it) or list a generating model's LoRA adapters."""
@@ -146,14 +150,14 @@ class Client:
             texts = self._stream_grpc(model, infer_inputs(self.api, arrays), timeout_s)
         return json.loads("".join(texts))
 
-    def _stream_grpc(self, model: str, inputs: list, timeout_s: float) -> Iterator[str]:
+    def _stream_grpc(self, model: str, inputs: list, timeout_s: float, parameters: dict | None = None) -> Iterator[str]:
         """Non-empty `text_output`s of one request on a gRPC stream, until Triton flags the final response."""
         responses: queue.Queue = queue.Queue()
         self.triton.start_stream(callback=lambda result, error: responses.put((result, error)))
         try:
             try:
                 self.triton.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex,
-                                               enable_empty_final_response=True)
+                                               enable_empty_final_response=True, parameters=parameters)
             except InferenceServerException as error:
                 raise _reported_error(responses, error) from None
             while True:

@@ -104,3 +104,18 @@ def test_the_server_keeps_serving_after_the_burst(server):
     timing = asyncio.run(one())
     assert timing.error is None and timing.text
     assert re.search(r'qos_queue_depth\{.*qos_class="normal"', metrics(server))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_client_sends_the_class_over_both_protocols(server, protocol):
+    from client.sdk import Client
+
+    before = value(metrics(server), "qos_admitted_total", qos_class="high")
+    with Client(server.grpc_url if protocol == "grpc" else server.http_url, protocol) as client:
+        assert "".join(client.generate("hello", 4, qos_class="high"))
+        with pytest.raises(Exception, match="expected one of"):
+            "".join(client.generate("hello", 4, qos_class="urgent"))
+    deadline = time.monotonic() + 5
+    while value(metrics(server), "qos_admitted_total", qos_class="high") == before:
+        assert time.monotonic() < deadline, "the request was not counted in the high class"
+        time.sleep(0.02)

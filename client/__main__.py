@@ -127,11 +127,11 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, client: Clien
                 print(f"{text!r}: dim {vector.size}, {vector[:6]} ...")
     elif args.command == "generate":
         optional = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
-                                      ("seed", args.seed), ("stop", args.stop), ("lora_id", args.lora))
-                    if v is not None}
+                                      ("seed", args.seed), ("stop", args.stop), ("lora_id", args.lora),
+                                      ("qos_class", args.qos_class)) if v is not None}
         image = args.image.read_bytes() if args.image else None
         _print_stream(client.generate(args.prompt, args.max_tokens, stream=args.stream, model=args.model,
-                                      image=image, qos_class=args.qos_class, **optional))
+                                      image=image, **optional))
     elif args.command == "adapters":
         if args.action != "list" and not args.name:
             parser.error(f"adapters {args.action} needs the adapter's name")

@@ -141,10 +141,11 @@ def test_usage_errors_stay_argparse_exit_2(argv, capsys):
 
 def test_generate_sends_image_bytes_and_model(fake_client, image_file, capsys):
     assert cli.main(["generate", "what is this", "--image", str(image_file), "--max-tokens", "5",
-                     "--model", "vlm2", "--seed", "3"]) == 0
+                     "--model", "vlm2", "--seed", "3", "--qos-class", "high"]) == 0
     (_, prompt, max_tokens, kwargs), = fake_client[0].calls
     assert (prompt, max_tokens) == ("what is this", 5)
-    assert kwargs == {"stream": False, "model": "vlm2", "image": image_file.read_bytes(), "seed": 3}
+    assert kwargs == {"stream": False, "model": "vlm2", "image": image_file.read_bytes(), "seed": 3,
+                      "qos_class": "high"}
     assert capsys.readouterr().out == "a cat\n"
 
 

@@ -55,6 +55,7 @@ class BuildOptions:
     fp8_activations: str = "none"  # fp8: "none" (weights only), "token" (dynamic) or "tensor" (static, calibrated)
     kv_cache_dtype: str = "auto"  # fp8: "fp8" stores the KV cache in E4M3 (calibrated scales)
     fp8_rounding: str = "gptq"  # fp8: GPTQ's error feedback over the calibration prompts, or "nearest"
+    priority_levels: bool = False  # dynamically batched models: the QoS classes as Triton priority levels
 
     def model_name(self, default: str) -> str:
         return self.name or default

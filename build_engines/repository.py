@@ -46,6 +46,7 @@ class PythonModelConfig:
     kind: str = "KIND_CPU"
     warmup_file: str | None = None  # a file under <model>/warmup/ holding one serialized BYTES element
     decoupled: bool = False  # streaming: any number of responses per request (gRPC streaming and HTTP SSE)
+    priority_levels: bool = False  # the QoS classes as the dynamic batcher's priority levels (costs latency: README)
 
     def render(self) -> str:
         config = mc.ModelConfig(name=self.name, backend=self.backend, max_batch_size=self.max_batch_size)
@@ -58,7 +59,8 @@ class PythonModelConfig:
                     added.optional = True
         if self.max_queue_delay_us is not None:
             config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
-            priority_queues(config.dynamic_batching)
+            if self.priority_levels:
+                priority_queues(config.dynamic_batching)
         if self.decoupled:
             config.model_transaction_policy.decoupled = True
         config.instance_group.add(count=self.instances, kind=getattr(mc.ModelInstanceGroup, self.kind))

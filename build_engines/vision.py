@@ -74,7 +74,8 @@ def encoder_config(opts: BuildOptions, name: str, inputs: list[Tensor], outputs:
                    warmup_input: str) -> PythonModelConfig:
     return PythonModelConfig(name, "mm_encoder", inputs, outputs, encoder_parameters(opts),
                              max_batch_size=opts.max_batch_size, max_queue_delay_us=opts.max_queue_delay_us,
-                             instances=opts.instances, kind=instance_kind(opts), warmup_file=warmup_input)
+                             instances=opts.instances, kind=instance_kind(opts), warmup_file=warmup_input,
+                             priority_levels=opts.priority_levels)
 
 
 def build_vit(opts: BuildOptions) -> None:

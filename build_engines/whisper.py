@@ -39,7 +39,7 @@ def build_whisper(opts: BuildOptions) -> None:
                                  Tensor("max_tokens", "INT32", [1], optional=True)],
             [Tensor("text", "BYTES", [1]), Tensor("tokens", "INT32", [-1])], params,
             max_batch_size=min(opts.max_batch_size, 16), max_queue_delay_us=opts.max_queue_delay_us, instances=1,
-            kind=instance_kind(opts)))
+            kind=instance_kind(opts), priority_levels=opts.priority_levels))
         write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
                               fingerprint=opts.fingerprint(name), checkpoint=str(opts.checkpoint.resolve()))
 

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from backends.server import TritonServer, free_port
 from backends.vision.encoders import EncoderParams
-from perf.analyzer import run_perf_analyzer, sweep
+from perf.analyzer import UnstableMeasurement, run_perf_analyzer, sweep
 from perf.baseline import in_process_throughput
 from perf.inputs import IMAGE_SETS, model_input_data, model_items
 from perf.llm_scenarios import calibration_bench, served_llm_bench
@@ -50,8 +50,9 @@ def bench_model(model: str, server: TritonServer, repository: Path, results: Pat
 
 
 def batching_study(repository: Path, results: Path, tmp: Path, interval_ms: int, hardware: str,
-                   delays_us=(0, 1000, 15000), concurrencies=(1, 64)) -> None:
-    """vit under the same load with different dynamic-batcher windows (explicit mode, config override reloads)."""
+                   delays_us=(0, 1000, 15000), concurrencies=(1, 64), levels_delay_us: int = 1000) -> None:
+    """vit under the same load with different dynamic-batcher windows, and with `levels_delay_us` also with the QoS
+    classes as priority levels (explicit mode, config override reloads)."""
     rows = []
     server = TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-batching.log"),
                           model_control="explicit", load_models=["vit"])
@@ -59,27 +60,52 @@ def batching_study(repository: Path, results: Path, tmp: Path, interval_ms: int,
         client = grpcclient.InferenceServerClient(server.grpc_url)
         config = client.get_model_config("vit", as_json=True)["config"]
         data = model_input_data("vit", tmp)
-        for delay in delays_us:
-            config["dynamic_batching"]["max_queue_delay_microseconds"] = delay
+        plain = dict(config["dynamic_batching"])
+        for delay, levels in [*((d, False) for d in delays_us), (levels_delay_us, True)]:
+            config["dynamic_batching"] = dict(plain, max_queue_delay_microseconds=delay)
+            if levels:
+                config["dynamic_batching"].update(priority_levels_json())
             client.load_model("vit", config=json.dumps(config))
             for concurrency in concurrencies:
                 before = client.get_inference_statistics("vit", as_json=True)["model_stats"][0]
                 # windows of 2x concurrency requests: at high load one request can outlast a fixed time window
                 windows = ["--measurement-mode", "count_windows", "--measurement-request-count", str(2 * concurrency)]
-                (point,) = run_perf_analyzer("vit", server.grpc_url, data, tmp / f"batching-{delay}-{concurrency}.csv",
-                                             concurrency=str(concurrency), interval_ms=interval_ms,
-                                             extra=windows if concurrency > 8 else None)
+                try:
+                    (point,) = run_perf_analyzer("vit", server.grpc_url, data,
+                                                 tmp / f"batching-{delay}-{levels}-{concurrency}.csv",
+                                                 concurrency=str(concurrency), interval_ms=interval_ms,
+                                                 extra=windows if concurrency > 8 else None)
+                except UnstableMeasurement:  # a row that says so: how unsteady a setting is is a result too
+                    rows.append([delay / 1000, "yes" if levels else "no", concurrency,
+                                 *["no stable measurement (6 trials)"] + ["-"] * 4])
+                    continue
                 after = client.get_inference_statistics("vit", as_json=True)["model_stats"][0]
                 execs = int(after["execution_count"]) - int(before["execution_count"])
                 infers = int(after["inference_count"]) - int(before["inference_count"])
-                rows.append([delay / 1000, concurrency, point.throughput, point.p50_us / 1e3, point.p99_us / 1e3,
-                             point.server_queue_us / 1e3, infers / max(execs, 1)])
+                rows.append([delay / 1000, "yes" if levels else "no", concurrency, point.throughput,
+                             point.p50_us / 1e3, point.p99_us / 1e3, point.server_queue_us / 1e3,
+                             infers / max(execs, 1)])
         client.close()
-    write_table(results, "vit-dynamic-batching", ["max_queue_delay ms", "concurrency", "infer/s", "p50 ms",
+    write_table(results, "vit-dynamic-batching", ["max_queue_delay ms", "priority levels", "concurrency", "infer/s",
+                                                  "p50 ms",
                                                   "p99 ms", "queue ms", "avg batch"], rows, hardware,
                 ["Same vit engine and image set; avg batch = inferences / executions from the server's statistics "
-                 "over the whole perf_analyzer run (warm-up included)."])
+                 "over the whole perf_analyzer run (warm-up included). Priority levels: the QoS classes as the "
+                 "dynamic batcher's three levels with their queue limits and timeouts (`build_engines "
+                 "--priority-levels`), no request setting a priority."])
     print("vit dynamic-batching study written", flush=True)
+
+
+def priority_levels_json() -> dict:
+    """build_engines' priority levels (--priority-levels) as the JSON form of a model config's dynamic batching."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from build_engines.repository import priority_queues
+
+    batching = mc.ModelDynamicBatching()
+    priority_queues(batching)
+    return json_format.MessageToDict(batching, preserving_proto_field_name=True)
 
 
 def main(argv: list[str] | None = None) -> int:

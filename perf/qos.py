@@ -98,7 +98,6 @@ def capacity(url: str, model: str, mix: list[Kind], prompts: dict[str, list[str]
             return requests / (time.perf_counter() - start)
         finally:
             await client.close()
-    asyncio.run(run())  # warm-up
     return asyncio.run(run())
 
 
@@ -146,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {k.name: make_prompts(32, k.input_tokens, encode, tokenizer.decode, seed=i) for i, k in enumerate(mix)}
     rows, notes = [], []
     with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-qos.log")) as server:
+        for model in MODELS:  # warm-up: each engine's first steps compile kernels
+            capacity(server.grpc_url, model, mix, prompts, 2 * args.max_batch, 16 * args.max_batch)
         rate = capacity(server.grpc_url, "llm_fifo", mix, prompts, 2 * args.max_batch, 16 * args.max_batch)
         print(f"capacity: {rate:.2f} requests/s", flush=True)
         for load in args.loads:

@@ -88,13 +88,3 @@ def _stats(triton, model: str) -> dict[str, int]:
     stats = triton.get_inference_statistics(model)["model_stats"][0]
     return {"inference_count": int(stats["inference_count"]), "execution_count": int(stats["execution_count"])}
 
-
-@pytest.mark.parametrize("priority", [1, 3])
-def test_a_request_priority_picks_its_qos_level_of_the_dynamic_batcher(server, vit_checkpoint, priority):
-    """Triton's priority levels are the QoS classes (1 high, 3 low); a timeout overrides the level's own."""
-    triton = http.InferenceServerClient(server.http_url)
-    image = http.InferInput("image", [1, 1], "BYTES")
-    image.set_data_from_numpy(np.array([[IMAGES[0]]], dtype=object))
-    result = triton.infer("vit", [image], priority=priority, timeout=10_000_000)
-    np.testing.assert_allclose(result.as_numpy("logits")[0], reference.vit_logits(vit_checkpoint, IMAGES[:1])[0],
-                               atol=ATOL)

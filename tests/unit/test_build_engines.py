@@ -19,7 +19,7 @@ def test_config_renders_to_valid_triton_protobuf():
     text = PythonModelConfig("vit", "mm_encoder", [Tensor("image", "BYTES", [1])],
                              [Tensor("logits", "FP32", [10], "labels.txt")], EncoderParams(runtime="torch"),
                              "$$TRITON_MODEL_DIRECTORY/../../.venv", max_batch_size=8, max_queue_delay_us=500,
-                             instances=2, warmup_file="image").render()
+                             instances=2, warmup_file="image", priority_levels=True).render()
     config = text_format.Parse(text, mc.ModelConfig())
     assert config.backend == "mm_encoder" and config.max_batch_size == 8
     params = {k: v.string_value for k, v in config.parameters.items()}

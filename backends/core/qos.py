@@ -67,7 +67,10 @@ class Ticket:
     def expired(self, now: float) -> bool:
         return now - self.arrival >= self.timeout_s
 
-    def timeout_error(self, now: float) -> Unavailable:
+    def time_out(self, now: float) -> Unavailable:
+        """It waited past its timeout without starting: counted as refused; the error to give its client."""
+        if self.gate is not None:
+            self.gate.timed_out(self)
         return Unavailable(f"waited {now - self.arrival:.1f} s in the {self.qos_class} queue without starting "
                            f"(its timeout is {self.timeout_s:g} s): the server is overloaded, retry later")
 

@@ -288,9 +288,7 @@ class LLMEngine:
         now = time.monotonic()
         expired = self.scheduler.expired(now)
         for seq in expired:
-            seq.error = seq.ticket.timeout_error(now)
-            if seq.ticket.gate is not None:
-                seq.ticket.gate.timed_out(seq.ticket)
+            seq.error = seq.ticket.time_out(now)
             self._finish(seq, "error")
         return expired
 

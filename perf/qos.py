@@ -113,8 +113,7 @@ def class_rows(model: str, load: float, sent: list[Sent], classes: list[str]) ->
         ttft = np.array([t.arrivals[0] - t.sent for t in done] or [np.nan]) * 1e3
         latency = np.array([t.ended - t.sent for t in done] or [np.nan]) * 1e3
         rows.append([model, load, qos_class, len(mine), len(done), len(refused),
-                     *(float(np.percentile(v, q)) for v in (ttft,) for q in (50, 99)),
-                     *(float(np.percentile(v, q)) for v in (latency,) for q in (50, 99)), float(np.max(ttft))])
+                     *(float(np.percentile(v, q)) for v in (ttft, latency) for q in (50, 99)), float(np.max(ttft))])
     return rows
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def reference(llava_checkpoint):
     return greedy_text
 
 
-def ask(server, requests: list[tuple[bytes, str, int]]):
+def ask(server, requests: list[tuple[bytes, str, int]], parameters: dict | None = None):
     async def go():
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
@@ -40,7 +41,7 @@ def ask(server, requests: list[tuple[bytes, str, int]]):
                 inputs = generation_inputs(grpcclient, prompt, max_tokens)
                 tensor = grpcclient.InferInput("image", [1], "BYTES")
                 tensor.set_data_from_numpy(np.array([image], dtype=object))
-                calls.append(stream_one(client, "vlm", [tensor, *inputs]))
+                calls.append(stream_one(client, "vlm", [tensor, *inputs], parameters))
             return await asyncio.gather(*calls)
         finally:
             await client.close()
@@ -74,6 +75,18 @@ def test_the_same_image_asked_again_shares_its_prefix_blocks(server, reference):
 def test_prompt_without_placeholder_gets_the_image_first(server, reference):
     (timing,) = ask(server, [(IMAGES[0], "a photo of the cat", 12)])
     assert timing.error is None and timing.text == reference(IMAGES[0], "<image>\na photo of the cat", 12)
+
+
+def test_a_qos_class_is_taken_and_counted(server, reference):
+    from tests.integration.test_qos import metrics, value
+
+    before = value(metrics(server), "qos_admitted_total", model="vlm", qos_class="low")
+    (timing,) = ask(server, [(IMAGES[1], "<image> what is this", 8)], {"qos_class": "low"})
+    assert timing.error is None and timing.text == reference(IMAGES[1], "<image> what is this", 8)
+    deadline = time.monotonic() + 5  # metrics are set by the outbox thread, a few ms after the responses
+    while value(metrics(server), "qos_admitted_total", model="vlm", qos_class="low") != before + 1:
+        assert time.monotonic() < deadline, "the request was not counted in its class"
+        time.sleep(0.02)
 
 
 def test_bad_requests_are_refused_and_server_keeps_serving(server):

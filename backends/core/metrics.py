@@ -13,10 +13,15 @@ class CustomMetrics:
                               for name, doc in counters.items()})
         self.metrics = {name: family.Metric(labels) for name, family in self.families.items()}
         self.counted = dict.fromkeys(counters, 0)
+        self.shown: dict[str, float] = {}  # gauges' last values set
 
     def update(self, gauges: dict[str, float] | None = None, totals: dict[str, int] | None = None) -> None:
+        """Only what changed: each call is a round trip to the server that holds the GIL, and an idle model that
+        keeps making them can be caught in one when Triton unloads it (a hang seen on 2.51)."""
         for name, value in (gauges or {}).items():
-            self.metrics[name].set(value)
+            if self.shown.get(name) != value:
+                self.metrics[name].set(value)
+                self.shown[name] = value
         for name, total in (totals or {}).items():
             if total > self.counted[name]:
                 self.metrics[name].increment(total - self.counted[name])
@@ -50,11 +55,14 @@ class QosMetrics:
         self.rejected = {(c, r): rejected.Metric({**by_class[c], "reason": r}) for c in classes for r in reasons}
         self.wait = {c: wait.Metric(by_class[c], buckets=self.WAIT_BUCKETS_S) for c in classes}
         self.counted: dict = {}
+        self.shown: dict[str, int] = {}  # depths last set
 
     def update(self, stats: dict, waits: dict[str, list[float]]) -> None:
         """`stats`: backends.core.qos.ClassStats by class (running totals); `waits`: new waits by class."""
         for c, s in stats.items():
-            self.depth[c].set(s.queued)
+            if self.shown.get(c) != s.queued:  # only what changed (see CustomMetrics.update)
+                self.depth[c].set(s.queued)
+                self.shown[c] = s.queued
             self._advance(self.admitted[c], s.admitted)
             for reason, total in s.rejected.items():
                 self._advance(self.rejected[c, reason], total)

@@ -154,26 +154,28 @@ class Client:
         """Non-empty `text_output`s of one request on a gRPC stream, until Triton flags the final response."""
         responses: queue.Queue = queue.Queue()
         self.triton.start_stream(callback=lambda result, error: responses.put((result, error)))
+        answered = False  # the request is complete: the stream is closed, not cancelled
         try:
             try:
                 self.triton.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex,
                                                enable_empty_final_response=True, parameters=parameters)
             except InferenceServerException as error:
                 raise _reported_error(responses, error) from None
-            while True:
+            while not answered:
                 try:
                     result, error = responses.get(timeout=timeout_s)
                 except queue.Empty:
                     raise TimeoutError(f"no response from {model} within {timeout_s:g} s") from None
+                answered = error is not None or result.get_response().parameters["triton_final_response"].bool_param
                 if error is not None:
                     raise error
                 text = result.as_numpy("text_output")
                 if text is not None and text.size and text.reshape(-1)[0]:
                     yield text.reshape(-1)[0].decode()
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    return
         finally:
-            self.triton.stop_stream(cancel_requests=True)
+            # Cancelling a stream whose request already completed can leave Triton 2.51 holding the model (an
+            # unload then waits forever): only a request still running (the caller stopped reading) is cancelled.
+            self.triton.stop_stream(cancel_requests=not answered)
 
     def close(self) -> None:
         self.triton.close()

@@ -52,20 +52,24 @@ async def stream_one(client: grpcclient.InferenceServerClient, model: str, input
     timing = StreamTiming(time.perf_counter(), [], "")
     pieces = []
     try:
+        # read to the stream's end: once the final response arrived the request iterator ends, and the server closes
+        # the stream (cancelling a completed stream instead can leave Triton 2.51 holding the model at unload)
         async for result, error in client.stream_infer(request_iterator()):
             now = time.perf_counter()
             if error is not None:
-                timing.error = str(error)
-                break
+                timing.error, timing.ended = str(error), now
+                done.set()
+                continue
             output = result.as_numpy("text_output")
             if output is not None and output.size and len(output.reshape(-1)[0]):
                 pieces.append(output.reshape(-1)[0].decode("utf-8", errors="replace"))
                 timing.arrivals.append(now)
             if result.get_response().parameters["triton_final_response"].bool_param:
-                break
+                timing.ended = now
+                done.set()
     finally:
         done.set()
-    timing.ended = time.perf_counter()
+    timing.ended = timing.ended or time.perf_counter()
     timing.text = "".join(pieces)
     return timing
 

@@ -18,9 +18,10 @@ def test_http_generate_equals_grpc_for_llm(server, stream):
     with Client(server.http_url, "http") as http, Client(server.grpc_url, "grpc") as grpc:
         over_http = list(http.generate(PROMPT, 8, stream=stream, temperature=0.0, min_length=8))
         over_grpc = list(grpc.generate(PROMPT, 8, stream=stream, temperature=0.0, min_length=8))
-    assert over_http == over_grpc and "".join(over_grpc)
+    # a stream's chunking depends on timing (deltas queued behind a slow send are merged), its text does not
+    assert "".join(over_http) == "".join(over_grpc) != ""
     if not stream:
-        assert len(over_http) == 1
+        assert len(over_http) == len(over_grpc) == 1
 
 
 def test_http_generate_raises_the_servers_message(server):

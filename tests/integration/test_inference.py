@@ -87,4 +87,3 @@ def test_many_concurrent_pipeline_requests(server, clip_checkpoint):
 def _stats(triton, model: str) -> dict[str, int]:
     stats = triton.get_inference_statistics(model)["model_stats"][0]
     return {"inference_count": int(stats["inference_count"]), "execution_count": int(stats["execution_count"])}
-

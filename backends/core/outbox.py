@@ -133,31 +133,25 @@ class _OutboxThread:
     # --- the outbox thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         last_poll = 0.0
-        while self._handle_batch():
+        while True:
+            with self._lock:
+                if not (self._messages or self._closing):
+                    self._lock.wait(timeout=self._poll_s)
+                messages, self._messages = self._messages, []
+                metrics, self._metrics = self._metrics, None
+                to_watch, self._to_watch = self._to_watch, []
+                closing = self._closing
+            for sender, request, key in to_watch:
+                self._watched[id(sender)] = (request, key)
+            for message in merge_deltas(messages):
+                self._deliver(message)
+            if closing and not messages:
+                return
+            if metrics is not None:
+                self._guard(self._update_metrics, *metrics)
             if time.monotonic() - last_poll >= self._poll_s:
                 self._poll_cancelled()
                 last_poll = time.monotonic()
-
-    def _handle_batch(self) -> bool:
-        """One batch of what was queued; False once closing and nothing is left. A function of its own so that no
-        request or sender outlives its batch in a local of the long-lived loop: Triton releases a decoupled request
-        (and lets its model unload) only when the stub drops its last reference."""
-        with self._lock:
-            if not (self._messages or self._closing):
-                self._lock.wait(timeout=self._poll_s)
-            messages, self._messages = self._messages, []
-            metrics, self._metrics = self._metrics, None
-            to_watch, self._to_watch = self._to_watch, []
-            closing = self._closing
-        for sender, request, key in to_watch:
-            self._watched[id(sender)] = (request, key)
-        for message in merge_deltas(messages):
-            self._deliver(message)
-        if closing and not messages:
-            return False
-        if metrics is not None:
-            self._guard(self._update_metrics, *metrics)
-        return True
 
     def _deliver(self, message: _Message) -> None:
         response = self._text_response(message.text) if message.text is not None else message.response

@@ -233,19 +233,14 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             try:
                 advanced = self.engine.step()
             except StepFailed as e:  # the model step itself failed: its sequences fail, the server keeps serving
-                self._fail_step(e)
+                log.exception("LLM engine step failed")
+                for seq in e.seqs:
+                    self.engine.cancel(seq)
+                    if (stream := self.active.pop(seq, None)) is not None:
+                        self.outbox.send(stream.sender, self.error_response(e.__cause__ or e))
                 continue
             for seq in advanced:
                 self._respond(seq)
-
-    def _fail_step(self, failure: StepFailed) -> None:
-        """A method, like every per-request part of the loop: a request left in a local of the long-lived `_loop`
-        would never be released, and Triton would wait for it to unload the model."""
-        log.exception("LLM engine step failed")
-        for seq in failure.seqs:
-            self.engine.cancel(seq)
-            if (stream := self.active.pop(seq, None)) is not None:
-                self.outbox.send(stream.sender, self.error_response(failure.__cause__ or failure))
 
     def _take_inbox(self) -> None:
         while True:

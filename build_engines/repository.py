@@ -57,7 +57,8 @@ class PythonModelConfig:
                     added.label_filename = t.label_filename
                 if t.optional:
                     added.optional = True
-        if self.max_queue_delay_us is not None:
+        # a model batched by our own batcher (backends.core.batcher) takes requests as they come
+        if self.max_queue_delay_us is not None and getattr(self.parameters, "batch_window", "triton") == "triton":
             config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
             if self.priority_levels:
                 priority_queues(config.dynamic_batching)

@@ -9,6 +9,7 @@
 #   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
 #   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16;
+#   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
 #   "sam": encoder and decoder requests/s vs concurrency of the served sam, ViT-H shapes, random bf16;
 #   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
 #   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
@@ -111,6 +112,10 @@ if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
     "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
   fi
   "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" whisper_window "* ]]; then
+  "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
+  "$py" -m perf.batch_window --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" sam "* ]]; then
   if [ "${TINY:-0}" = 1 ]; then

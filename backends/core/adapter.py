@@ -7,7 +7,9 @@ else -> INTERNAL with a short message for the client and the traceback in the se
 
 `BatchedBackend` is the flow of the dynamically batched models (vit, clip_*, whisper): read each request on the
 model thread, prepare its items on a thread pool, run all prepared requests through the engine at once; when that
-shared call fails, each request is retried alone so that only the one that fails gets the error.
+shared call fails, each request is retried alone so that only the one that fails gets the error. Who forms the
+batches is the `batch_window` parameter: Triton's dynamic batcher ("triton"), or our own (backends.core.batcher: QoS
+order, adaptive or fixed window), which answers each request through its response sender once its batch ran.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from backends.core.batcher import Batcher, BatchWindow, Job, answer
 from backends.core.errors import InjectedFault, InvalidInput, NotFound, Unavailable
 from backends.core.inputs import Inputs, check_request_parameters
 from backends.core.params import Parameters
+from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, QosPolicy, read_qos_class
 
 log = logging.getLogger(__name__)
 P = TypeVar("P", bound=Parameters)
@@ -30,6 +34,10 @@ P = TypeVar("P", bound=Parameters)
 # unexpected error there.
 FAULTS_ENV = "MM_FAULT_INJECTION"
 FAULT_PARAMETER = "inject_fault"
+# our batcher's metrics (Triton's statistics count one execution per request when it batches)
+BATCHER_GAUGES = {"batcher_window_seconds": "how long a batch that is not full waits for more requests now"}
+BATCHER_COUNTERS = {"batcher_batches_total": "batches run by the model's own batcher",
+                    "batcher_requests_total": "requests in those batches (÷ batches = mean batch size)"}
 
 
 class TritonLogHandler(logging.Handler):
@@ -71,7 +79,10 @@ class TritonBackend(Generic[P]):
         route_logs_to_triton(pb_utils)
         self.model_config: dict = json.loads(args["model_config"])
         self.name: str = args["model_name"]
-        self.labels = {"model": args["model_name"], "version": args["model_version"]}
+        # one series per stub process: a model reloaded in place registers its metrics while the old copy still
+        # holds them, and Triton 2.51 frees a series two stubs share when the first deletes it (the server crashed
+        # at the next update)
+        self.labels = {"model": args["model_name"], "version": args["model_version"], "stub_pid": str(os.getpid())}
         self.folder = Path(args["model_repository"]) / args["model_version"]
         self.params: P = self.Params.from_model_config(self.model_config)
         self.device: str = instance_device(args, getattr(self.params, "device", "cpu"))
@@ -118,11 +129,25 @@ def inject(fault: str | None, stage: str) -> None:
 
 class BatchedBackend(TritonBackend[P]):
     """Dynamically batched models. Subclasses implement `read` (model thread), `prepare` (one item, pool thread),
-    `infer` (all prepared requests, one engine call) and `respond` (one request's output -> response)."""
+    `infer` (all prepared requests, one engine call) and `respond` (one request's output -> response); their
+    parameters derive from backends.core.batcher.BatchingParams."""
 
     def setup(self) -> None:
         self.pool = ThreadPoolExecutor(getattr(self.params, "prepare_threads", 4), thread_name_prefix=self.name)
+        self.batcher: Batcher | None = None
         self.load()
+        if self.params.batch_window != "triton":
+            from backends.core.metrics import CustomMetrics, QosMetrics
+
+            if "dynamic_batching" in self.model_config:
+                log.warning("%s: batch_window %s with Triton's dynamic batcher too: requests wait in both",
+                            self.name, self.params.batch_window)
+            self.qos = QosPolicy(self.params)
+            self.qos_metrics = QosMetrics(self.pb, self.labels, CLASSES, REJECTIONS)
+            self.batch_metrics = CustomMetrics(self.pb, self.labels, BATCHER_GAUGES, BATCHER_COUNTERS)
+            window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
+            self.batcher = Batcher(self._run_jobs, max(1, self.model_config.get("max_batch_size", 1)), window,
+                                   name=f"{self.name}-batcher")
 
     def load(self) -> None:
         """Load the engine (called by setup, after the pool exists)."""
@@ -134,6 +159,10 @@ class BatchedBackend(TritonBackend[P]):
     def prepare(self, item: Any) -> Any:
         return item
 
+    def sizes(self, prepared: list[Any]) -> dict[str, float]:
+        """A request's sizes for its QoS cost score (QosPolicy.score's arguments), from its prepared items."""
+        return {}
+
     def infer(self, batch: list[list[Any]]) -> list[Any]:
         """One output per request, from the prepared items of every request of the batch."""
         raise NotImplementedError
@@ -141,16 +170,21 @@ class BatchedBackend(TritonBackend[P]):
     def respond(self, output: Any):
         raise NotImplementedError
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
+        if self.batcher is None:
+            return self._execute_batch(requests)
+        for request in requests:
+            self._enqueue(request)
+        return None  # each request is answered through its response sender
+
+    # --- Triton batches -----------------------------------------------------------------------------------------
+    def _execute_batch(self, requests: list) -> list:
         responses: list = [None] * len(requests)
         futures, faults = {}, {}
         for i, request in enumerate(requests):
             try:
                 faults[i] = fault = self.check_parameters(request)
-                inject(fault, "read")
-                items = self.read(self.inputs(request))
-                if not items:
-                    raise InvalidInput("the request holds no item")
+                items = self._read(request, fault)
                 futures[i] = [self.pool.submit(self._prepare, item, fault) for item in items]
             except Exception as e:
                 responses[i] = self.error_response(e)
@@ -161,9 +195,60 @@ class BatchedBackend(TritonBackend[P]):
             except Exception as e:
                 responses[i] = self.error_response(e)
         for i, output in self._infer_isolated(prepared, faults).items():
-            responses[i] = self.error_response(output) if isinstance(output, Exception) else self.respond(output)
+            responses[i] = self._response(output)
         return responses
 
+    def _read(self, request, fault: str | None) -> list[Any]:
+        inject(fault, "read")
+        items = self.read(self.inputs(request))
+        if not items:
+            raise InvalidInput("the request holds no item")
+        return items
+
+    def _response(self, output: Any):
+        return self.error_response(output) if isinstance(output, Exception) else self.respond(output)
+
+    # --- our batcher ------------------------------------------------------------------------------------------
+    def _enqueue(self, request) -> None:
+        """Read and admit one request (refused at once when wrong or when its class's queue is full), prepare it
+        on the pool, then queue it in the batcher."""
+        sender = request.get_response_sender()
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        job = Job(None, None, lambda output: sender.send(self._response(output), flags=final))
+        try:
+            fault = self.check_parameters(request, allowed=(QOS_PARAMETER,))
+            job.ticket = self.qos.ticket(read_qos_class(json.loads(request.parameters() or "{}")))
+            items = self._read(request, fault)
+            self.qos.admit(job.ticket)
+        except Exception as e:
+            answer(job, e)
+            return
+        self.pool.submit(self._prepare_job, job, items, fault)
+
+    def _prepare_job(self, job: Job, items: list[Any], fault: str | None) -> None:
+        """On the pool: the request's items, its cost score, then its place in the batcher."""
+        try:
+            if self.batcher.closed:
+                raise Unavailable("the model is being unloaded")
+            job.work = ([self._prepare(item, fault) for item in items], fault)
+            job.ticket.score = self.qos.score(**self.sizes(job.work[0]))
+        except Exception as e:
+            answer(job, e)
+            return
+        self.batcher.put(job)
+
+    def _run_jobs(self, batch: list[Job]) -> list[Any]:
+        """On the batcher thread: one engine call for the batch (failures isolated per request)."""
+        outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
+                                       {i: job.work[1] for i, job in enumerate(batch)})
+        admission = self.qos.admission
+        self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
+        self.batch_metrics.update({"batcher_window_seconds": self.batcher.window.current_s},
+                                  {"batcher_batches_total": self.batcher.batches,
+                                   "batcher_requests_total": self.batcher.requests})
+        return [outputs[i] for i in range(len(batch))]
+
+    # --- both -------------------------------------------------------------------------------------------------
     def _prepare(self, item: Any, fault: str | None) -> Any:
         inject(fault, "prepare")
         return self.prepare(item)
@@ -186,4 +271,10 @@ class BatchedBackend(TritonBackend[P]):
                                                                                    faults).items()}
 
     def finalize(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.batcher is not None:
+            self.batcher.close()  # waiting requests refused; those still preparing are refused by `_prepare_job`
+            self.pool.shutdown(wait=True)
+            self.qos_metrics.close()
+            self.batch_metrics.close()
+        else:
+            self.pool.shutdown(wait=False, cancel_futures=True)

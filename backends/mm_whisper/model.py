@@ -1,6 +1,7 @@
 """`mm_whisper`: Triton backend for `whisper`, audio bytes (+ optional language, task, max_tokens) -> text and tokens.
 
-Triton's dynamic batcher hands `execute` several requests at once; their audio is decoded and resampled on the
+Triton's dynamic batcher hands `execute` several requests at once (or, with `batch_window` adaptive or fixed, our
+batcher forms the batches: QoS order with audio seconds as the cost). Their audio is decoded and resampled on the
 thread pool, each request checked on its own, clips longer than 30 s are cut into overlapping chunks, and the chunks
 of every request go through the engine together (up to `max_batch` clips per engine call). Each request's chunks are
 then merged back into one transcript.
@@ -14,7 +15,7 @@ import numpy as np
 from backends.core.adapter import BatchedBackend
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
-from backends.media.audio import decode_audio
+from backends.media.audio import SAMPLE_RATE, decode_audio
 from backends.whisper.chunking import merge, split
 from backends.whisper.engine import TASKS, WhisperEngine, WhisperParams
 
@@ -28,6 +29,7 @@ class Job:
     task: str
     max_tokens: int | None
     chunks: list[np.ndarray] | None = None
+    seconds: float = 0.0  # of decoded audio
 
 
 class TritonPythonModel(BatchedBackend[WhisperParams]):
@@ -49,8 +51,12 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
         return [Job(audio, language, task, max_tokens)]
 
     def prepare(self, job: Job) -> Job:
-        job.chunks = split(decode_audio(job.audio, self.params.limits))
+        audio = decode_audio(job.audio, self.params.limits)
+        job.chunks, job.seconds = split(audio), len(audio) / SAMPLE_RATE
         return job
+
+    def sizes(self, prepared: list[Job]) -> dict[str, float]:
+        return {"audio_s": sum(job.seconds for job in prepared)}
 
     def infer(self, batch: list[list[Job]]) -> list[list[int]]:
         clips = [(job, chunk) for (job,) in batch for chunk in job.chunks]

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from backends.core.params import Parameters, bounded
+from backends.core.batcher import BatchingParams
+from backends.core.params import bounded
 from backends.media.images import ImagePreprocessor
 
 LLAVA_1_6_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
@@ -21,7 +22,7 @@ LLAVA_1_6_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 10
 
 
 @dataclass(frozen=True)
-class AnyResParams(Parameters):
+class AnyResParams(BatchingParams):
     """The `mm_anyres` backend's parameters."""
 
     prepare_threads: int = bounded(4, 1, 256)  # decode + tiling threads per instance

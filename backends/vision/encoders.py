@@ -13,13 +13,14 @@ import numpy as np
 
 from backends.core.errors import InvalidInput
 from backends.core.inputs import utf8
-from backends.core.params import Parameters, bounded, choice, device
+from backends.core.batcher import BatchingParams
+from backends.core.params import bounded, choice, device
 from backends.core.runtime import RUNTIMES, Runtime, load_runtime
 from backends.media.images import DEFAULT_MAX_PIXELS, ImagePreprocessor, decode_image
 
 
 @dataclass(frozen=True)
-class EncoderParams(Parameters):
+class EncoderParams(BatchingParams):
     """The `mm_encoder` backend's parameters (vit, clip_vision, clip_text)."""
 
     runtime: str = choice("auto", *RUNTIMES)  # auto: the artefact present in the version folder

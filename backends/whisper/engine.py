@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from backends.core.devices import DTYPES, resolve_device
 from backends.core.errors import InvalidInput
-from backends.core.params import Parameters, bounded, choice, device
+from backends.core.batcher import BatchingParams
+from backends.core.params import bounded, choice, device
 from backends.media.audio import AudioLimits
 from backends.whisper.features import LogMel
 
@@ -28,7 +29,7 @@ TASKS = ("transcribe", "translate")
 
 
 @dataclass(frozen=True)
-class WhisperParams(Parameters):
+class WhisperParams(BatchingParams):
     """The `mm_whisper` backend's parameters."""
 
     dtype: str = choice("fp32", *(d for d in DTYPES if d != "fp32"))

@@ -1,13 +1,15 @@
 """QoS on the served `llm` (one batch slot, small class queues): a burst of heavy low-class requests does not hold
 up a high-class one, a full class queue refuses at once with UNAVAILABLE and the reason, nothing hangs, the KV cache
-goes back to idle, and the per-class metrics count what happened."""
+goes back to idle, and the per-class metrics count what happened. The same for `whisper` in our own batcher."""
 from __future__ import annotations
 
 import asyncio
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 
+import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcclient
 
@@ -15,9 +17,10 @@ from backends.server import TritonServer, free_port
 from build_engines.cli import main as build_engines
 from client.sdk import generation_inputs
 from perf.llm import stream_one
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wav
 
 HEAVY = "the cat sat on the red car by the tree " * 6
+RNG = np.random.default_rng(17)
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +129,98 @@ def test_the_client_sends_the_class_over_both_protocols(server, protocol):
     while value(metrics(server), "qos_admitted_total", qos_class="high") == before:
         assert time.monotonic() < deadline, "the request was not counted in the high class"
         time.sleep(0.02)
+
+
+# --- whisper: our batcher (one request per batch here), QoS by class and audio length ---------------------------
+@pytest.fixture(scope="module")
+def whisper_server(tmp_path_factory, whisper_checkpoint):
+    repository = tmp_path_factory.mktemp("qos-whisper")
+    assert build_engines(["whisper", "--checkpoint", str(whisper_checkpoint), "--repository", str(repository),
+                          "--max-batch-size", "1", "--batch-window", "adaptive",
+                          "--qos-max-queued", "high=2,normal=2,low=2"]) == 0
+    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-qos-whisper.log",
+                      model_control="explicit", load_models=["whisper"]) as running:
+        yield running
+
+
+async def transcribe_burst(server, long: bytes, short: bytes) -> tuple[list, object, object]:
+    """Three long low-class clips (one runs, two wait: the low queue is full), then one more low one and a high
+    one; each result is (sent, ended, error)."""
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def send(audio: bytes, qos_class: str):
+        tensor = grpcclient.InferInput("audio", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[audio]], dtype=np.object_))
+
+        async def call():
+            sent = time.perf_counter()
+            try:
+                await client.infer("whisper", [tensor], parameters={"qos_class": qos_class})
+                return sent, time.perf_counter(), None
+            except InferenceServerException as e:
+                return sent, time.perf_counter(), str(e)
+        return asyncio.ensure_future(call())
+
+    try:
+        lows = [send(long, "low")]
+        await asyncio.sleep(0.3)  # the first one is running (its decoding takes ~10 ms)
+        lows += [send(long, "low") for _ in range(2)]
+        await asyncio.sleep(0.1)
+        refused, high = send(short, "low"), send(short, "high")
+        results = await asyncio.wait_for(asyncio.gather(*lows, refused, high), timeout=120)
+    finally:
+        await client.close()
+    return results[:3], results[3], results[4]
+
+
+def test_whisper_serves_the_high_class_first_and_refuses_a_full_queue_at_once(whisper_server):
+    long = wav(RNG.normal(0, 0.1, 16000 * 150).astype(np.float32))  # 150 s: 6 chunks, well over a second here
+    short = wav(RNG.normal(0, 0.1, 16000).astype(np.float32))
+    lows, refused, high = asyncio.run(transcribe_burst(whisper_server, long, short))
+    assert [error for *_, error in lows] == [None] * 3 and high[2] is None
+    assert high[1] < min(ended for _, ended, _ in lows[1:]), "the high clip waited behind low ones queued before it"
+    assert refused[2] and "the low queue is full (2 requests waiting)" in refused[2]
+    assert refused[1] - refused[0] < 0.05, "refused at once, not left to time out"
+    deadline = time.monotonic() + 5
+    while value(after := metrics(whisper_server), "qos_admitted_total", model="whisper", qos_class="low") < 3:
+        assert time.monotonic() < deadline, "the low clips were never counted"
+        time.sleep(0.05)
+    assert value(after, "qos_rejected_total", model="whisper", qos_class="low", reason="queue_full") == 1
+    assert value(after, "qos_admitted_total", model="whisper", qos_class="high") == 1
+    assert value(after, "qos_queue_depth", model="whisper", qos_class="low") == 0
+
+
+def test_whisper_reloaded_in_place_keeps_serving_and_batches(whisper_server):
+    """A config override reload (a fixed window, batches of 4) runs the new copy beside the old one; their metrics
+    must not share series (Triton 2.51 crashed at the next update when the old copy deleted them). Requests sent
+    together within the window run as fewer batches."""
+    import json
+
+    import tritonclient.grpc as grpc_sync
+
+    client = grpc_sync.InferenceServerClient(whisper_server.grpc_url)
+    config = client.get_model_config("whisper", as_json=True)["config"]
+    config["max_batch_size"] = 4
+    config["parameters"]["batch_window"] = {"string_value": "fixed"}
+    config["parameters"]["batch_window_max_ms"] = {"string_value": "200"}
+    config["parameters"]["qos_max_queued"] = {"string_value": "high=8,normal=8,low=8"}
+    client.load_model("whisper", config=json.dumps(config))
+    client.close()
+    audio = np.array([[wav(RNG.normal(0, 0.1, 16000).astype(np.float32))]], dtype=np.object_)
+
+    def one(_):
+        with grpc_sync.InferenceServerClient(whisper_server.grpc_url) as own:
+            tensor = grpc_sync.InferInput("audio", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(audio)
+            return own.infer("whisper", [tensor]).as_numpy("text")
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(text is not None for text in pool.map(one, range(4)))
+    series = {name: [float(line.rsplit(" ", 1)[1]) for line in metrics(whisper_server).splitlines()
+                     if line.startswith(name + "{") and 'model="whisper"' in line]
+              for name in ("batcher_requests_total", "batcher_batches_total")}
+    # the new copy's own series (the old copy's may linger until it is gone): 4 requests in fewer batches
+    assert 4 in series["batcher_requests_total"], series
+    assert min(series["batcher_batches_total"]) < 4, series

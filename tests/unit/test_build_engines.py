@@ -39,6 +39,15 @@ def test_config_renders_to_valid_triton_protobuf():
                       3: (512, 600_000_000, mc.ModelQueuePolicy.REJECT, True)}
 
 
+@pytest.mark.parametrize("window", ["adaptive", "fixed"])
+def test_a_model_batched_by_our_batcher_has_no_dynamic_batcher(window):
+    text = PythonModelConfig("vit", "mm_encoder", [Tensor("image", "BYTES", [1])], [Tensor("logits", "FP32", [10])],
+                             EncoderParams(batch_window=window), max_batch_size=8, max_queue_delay_us=500).render()
+    config = text_format.Parse(text, mc.ModelConfig())
+    assert not config.HasField("dynamic_batching") and config.max_batch_size == 8
+    assert config.parameters["batch_window"].string_value == window
+
+
 def test_unknown_config_keys_are_rejected():
     with pytest.raises(ValueError):
         mc.ModelConfig(name="x", no_such_field=1)

@@ -1,0 +1,197 @@
+"""Our own batching queue for the dynamically batched models: QoS order and an adaptive batching window.
+
+Triton's dynamic batcher holds a batch that is not full for its whole `max_queue_delay`, even when nothing else is
+coming: at concurrency 1 a 15 ms window adds 15 ms to every request. With `batch_window` adaptive or fixed, a model
+takes its requests from Triton as they arrive (its config has no dynamic batcher), answers each through its
+response sender, and batches them here:
+- waiting requests are taken in QoS order (backends.core.qos: class, then the aged cost score), at most `max_batch`;
+- a batch that is not full waits for more up to the window. `fixed`: always `batch_window_max_ms`. `adaptive`:
+  additive increase, multiplicative decrease. It starts at zero and grows by a step (max / 8) whenever requests
+  queued up meanwhile (two or more waiting when the engine is free) or a wait gathered some; it halves when a wait
+  gathered none, and when the p99 latency of the last 64 requests rises above 1.5x its rolling baseline. Requests
+  that come one at a time therefore never wait.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.core.errors import Unavailable
+from backends.core.params import bounded, choice
+from backends.core.qos import QosParams, Ticket
+
+log = logging.getLogger(__name__)
+WINDOWS = ("triton", "adaptive", "fixed")  # "triton": Triton's dynamic batcher batches, not this module
+
+
+@dataclass(frozen=True)
+class BatchingParams(QosParams):
+    """Model-config parameters of the dynamically batched backends."""
+
+    batch_window: str = choice(*WINDOWS)  # who batches and how long a batch that is not full waits (see above)
+    batch_window_max_ms: float = bounded(15.0, 0)
+
+
+class BatchWindow:
+    """How long a batch that is not full waits for more requests (see the module's docstring)."""
+
+    LATENCY_SAMPLE = 64  # requests per p99 check
+    P99_TOLERANCE = 1.5  # p99 above this multiple of the baseline shrinks the window
+    BASELINE_WEIGHT = 0.2  # of each new p99 in the rolling baseline
+
+    def __init__(self, mode: str, max_s: float):
+        if mode not in WINDOWS[1:]:
+            raise ValueError(f"batch window {mode!r}: expected adaptive or fixed")
+        self.adaptive = mode == "adaptive"
+        self.max_s = max_s
+        self.step_s = max_s / 8
+        self.current_s = 0.0 if self.adaptive else max_s
+        self.baseline_p99_s: float | None = None
+        self._latencies: list[float] = []
+
+    def backlog(self, waiting: int) -> None:
+        """`waiting` requests are queued as the engine becomes free: two or more means they arrive faster than
+        one per batch, and a longer window makes fuller batches."""
+        if waiting > 1:
+            self._grow()
+
+    def waited(self, gathered: int) -> None:
+        """A wait of `current_s` for a batch that was not full gathered `gathered` more requests."""
+        self._grow() if gathered else self._shrink()
+
+    def finished(self, latency_s: float) -> None:
+        """One request's latency, arrival to response."""
+        self._latencies.append(latency_s)
+        if len(self._latencies) < self.LATENCY_SAMPLE:
+            return
+        p99 = float(np.percentile(self._latencies, 99))
+        self._latencies.clear()
+        if self.baseline_p99_s is not None and p99 > self.P99_TOLERANCE * self.baseline_p99_s:
+            self._shrink()
+        self.baseline_p99_s = p99 if self.baseline_p99_s is None else \
+            (1 - self.BASELINE_WEIGHT) * self.baseline_p99_s + self.BASELINE_WEIGHT * p99
+
+    def _grow(self) -> None:
+        if self.adaptive:
+            self.current_s = min(self.max_s, self.current_s + self.step_s)
+
+    def _shrink(self) -> None:
+        if self.adaptive:
+            self.current_s = self.current_s / 2 if self.current_s > self.step_s / 8 else 0.0
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the batcher: what the engine needs (`work`), its QoS ticket, and `answer`, which sends its
+    response (an output or an exception)."""
+
+    work: Any
+    ticket: Ticket | None
+    answer: Callable[[Any], None]
+
+
+class Batcher:
+    """A thread that runs `run(batch)` (one output or exception per job, in order) over batches of waiting jobs."""
+
+    def __init__(self, run: Callable[[list[Job]], list[Any]], max_batch: int, window: BatchWindow,
+                 name: str = "batcher"):
+        self._run = run
+        self.max_batch = max_batch
+        self.window = window
+        self._jobs: list[Job] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.batches = self.requests = 0  # run so far (the batch being run counts)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, job: Job) -> None:
+        with self._cond:
+            if not self._closed:
+                self._jobs.append(job)
+                self._cond.notify()
+                return
+        answer(job, Unavailable("the model is being unloaded"))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop after the batch in flight; the jobs still waiting are refused (UNAVAILABLE)."""
+        with self._cond:
+            self._closed = True
+            waiting, self._jobs = self._jobs, []
+            self._cond.notify()
+        self._thread.join(timeout=timeout_s)
+        for job in waiting:
+            answer(job, Unavailable("the model is being unloaded"))
+
+    # --- the batcher thread -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            if batch:  # empty when every waiting job had timed out
+                self._run_batch(batch)
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        """Start the batch's jobs (they leave the QoS queue), run it, answer each job, feed the window."""
+        for job in batch:
+            job.ticket.start()
+        self.batches, self.requests = self.batches + 1, self.requests + len(batch)
+        try:
+            outputs = self._run(batch)
+        except Exception as e:  # `run` isolates failures per job; this is a bug in it, still answered
+            log.exception("batch of %d failed", len(batch))
+            outputs = [e] * len(batch)
+        now = time.monotonic()
+        for job, output in zip(batch, outputs):
+            answer(job, output)
+            self.window.finished(now - job.ticket.arrival)
+
+    def _next_batch(self) -> list[Job] | None:
+        with self._cond:
+            while not (self._jobs or self._closed):
+                self._cond.wait()
+            if self._closed:
+                return None
+            expired = self._take_expired(time.monotonic())
+            if self._jobs:
+                self.window.backlog(len(self._jobs))
+                self._wait_for_more()
+            now = time.monotonic()
+            self._jobs.sort(key=lambda job: job.ticket.key(now))
+            batch, self._jobs = self._jobs[:self.max_batch], self._jobs[self.max_batch:]
+        for job, error in expired:
+            answer(job, error)
+        return batch
+
+    def _wait_for_more(self) -> None:
+        """Hold a batch that is not full up to the window (lock held; `wait` releases it)."""
+        if len(self._jobs) >= self.max_batch or self.window.current_s <= 0:
+            return
+        before, deadline = len(self._jobs), time.monotonic() + self.window.current_s
+        while len(self._jobs) < self.max_batch and not self._closed and (left := deadline - time.monotonic()) > 0:
+            self._cond.wait(left)
+        self.window.waited(len(self._jobs) - before)
+
+    def _take_expired(self, now: float) -> list[tuple[Job, Exception]]:
+        """Jobs that waited past their class's timeout, with the error to refuse them with."""
+        expired, self._jobs = [j for j in self._jobs if j.ticket.expired(now)], \
+            [j for j in self._jobs if not j.ticket.expired(now)]
+        return [(job, job.ticket.time_out(now)) for job in expired]
+
+
+def answer(job: Job, output: Any) -> None:
+    """Send a job's response (it leaves the QoS queue); a client gone meanwhile is logged, nothing more."""
+    if job.ticket is not None:  # None: refused before it had one
+        job.ticket.end()
+    try:
+        job.answer(output)
+    except Exception:
+        log.exception("sending a response failed")

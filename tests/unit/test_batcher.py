@@ -1,0 +1,171 @@
+"""Our batcher: the adaptive window's rule, QoS order of waiting requests, full batches leave at once, a window
+that gathers, refusals at close and after a timeout, and a failing run answered for every job."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from backends.core.batcher import Batcher, BatchWindow, Job
+from backends.core.errors import Unavailable
+from backends.core.qos import QosParams, QosPolicy
+
+
+def test_adaptive_window_grows_with_backlog_and_shrinks_when_waiting_gains_nothing():
+    window = BatchWindow("adaptive", 0.016)
+    assert window.current_s == 0.0
+    window.backlog(1)  # one request at a time: never a wait
+    assert window.current_s == 0.0
+    for expected in (0.002, 0.004):
+        window.backlog(2)
+        assert window.current_s == pytest.approx(expected)
+    window.waited(gathered=3)
+    assert window.current_s == pytest.approx(0.006)
+    for _ in range(20):
+        window.backlog(5)
+    assert window.current_s == pytest.approx(0.016)  # capped at the maximum
+    window.waited(gathered=0)
+    assert window.current_s == pytest.approx(0.008)
+    for _ in range(8):
+        window.waited(gathered=0)
+    assert window.current_s == 0.0  # back to passing requests straight through
+
+
+def test_adaptive_window_shrinks_when_p99_rises_above_its_baseline():
+    window = BatchWindow("adaptive", 0.016)
+    for _ in range(8):
+        window.backlog(2)
+    for _ in range(BatchWindow.LATENCY_SAMPLE):
+        window.finished(0.010)
+    assert window.baseline_p99_s == pytest.approx(0.010) and window.current_s == pytest.approx(0.016)
+    for _ in range(BatchWindow.LATENCY_SAMPLE):
+        window.finished(0.020)
+    assert window.current_s == pytest.approx(0.008)
+    assert window.baseline_p99_s == pytest.approx(0.012)
+
+
+def test_fixed_window_never_moves():
+    window = BatchWindow("fixed", 0.015)
+    window.waited(gathered=0)
+    window.backlog(10)
+    assert window.current_s == 0.015
+    with pytest.raises(ValueError, match="adaptive or fixed"):
+        BatchWindow("triton", 0.015)
+
+
+class Recorder:
+    """A batcher's `run`: records each batch's work, optionally held until released."""
+
+    def __init__(self, hold: bool = False, fail: Exception | None = None):
+        self.batches: list[list] = []
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        if not hold:
+            self.release.set()
+        self.fail = fail
+
+    def __call__(self, batch: list[Job]) -> list:
+        self.entered.set()
+        self.release.wait(10)
+        self.batches.append([job.work for job in batch])
+        if self.fail is not None:
+            raise self.fail
+        return [f"out-{job.work}" for job in batch]
+
+
+def make_job(policy: QosPolicy, work, qos_class: str | None = None, score: float = 0.0):
+    answered = threading.Event()
+    result = {}
+
+    def answer(output):
+        result["output"] = output
+        answered.set()
+    return Job(work, policy.admit(policy.ticket(qos_class, score)), answer), answered, result
+
+
+def test_waiting_requests_run_by_class_then_score():
+    policy = QosPolicy(QosParams())
+    run = Recorder(hold=True)
+    batcher = Batcher(run, max_batch=1, window=BatchWindow("adaptive", 0.015))
+    first, _, _ = make_job(policy, "first")
+    batcher.put(first)
+    assert run.entered.wait(5)  # the engine is busy with `first`; these queue meanwhile
+    jobs = [make_job(policy, name, cls, score) for name, cls, score in
+            [("low", "low", 0.0), ("normal-big", "normal", 0.9), ("normal-small", "normal", 0.1), ("high", "high", 1)]]
+    for job, _, _ in jobs:
+        batcher.put(job)
+    run.release.set()
+    for _, answered, _ in jobs:
+        assert answered.wait(5)
+    batcher.close()
+    assert run.batches == [["first"], ["high"], ["normal-small"], ["normal-big"], ["low"]]
+    assert jobs[0][2]["output"] == "out-low"
+    assert all(s.queued == 0 for s in policy.admission.snapshot().values())
+
+
+def test_a_full_batch_leaves_at_once_and_a_window_gathers_more():
+    policy = QosPolicy(QosParams())
+    run = Recorder()
+    batcher = Batcher(run, max_batch=2, window=BatchWindow("fixed", 30.0))  # a window no test would outwait
+    jobs = [make_job(policy, i) for i in range(2)]
+    for job, _, _ in jobs:
+        batcher.put(job)
+    assert all(answered.wait(5) for _, answered, _ in jobs)  # full: did not wait for the 30 s window
+    assert run.batches == [[0, 1]]
+    batcher.close()
+
+    gathering = Batcher(run := Recorder(), max_batch=8, window=BatchWindow("fixed", 0.5))
+    jobs = [make_job(policy, i) for i in range(3)]
+    for job, _, _ in jobs:
+        gathering.put(job)
+    assert all(answered.wait(5) for _, answered, _ in jobs)
+    gathering.close()
+    assert run.batches == [[0, 1, 2]]  # put within the window: one batch
+
+
+def test_close_refuses_waiting_requests_and_later_ones():
+    policy = QosPolicy(QosParams())
+    run = Recorder(hold=True)
+    batcher = Batcher(run, max_batch=1, window=BatchWindow("adaptive", 0.015))
+    running, running_done, running_result = make_job(policy, "running")
+    batcher.put(running)
+    assert run.entered.wait(5)
+    waiting, waiting_done, waiting_result = make_job(policy, "waiting")
+    batcher.put(waiting)
+    threading.Timer(0.2, run.release.set).start()
+    batcher.close()
+    assert running_done.wait(5) and running_result["output"] == "out-running"  # the batch in flight completes
+    assert waiting_done.is_set() and isinstance(waiting_result["output"], Unavailable)
+    late, late_done, late_result = make_job(policy, "late")
+    batcher.put(late)
+    assert late_done.is_set() and "unloaded" in str(late_result["output"])
+    assert all(s.queued == 0 for s in policy.admission.snapshot().values())
+
+
+def test_a_request_past_its_timeout_is_refused_and_counted():
+    policy = QosPolicy(QosParams(qos_timeout_s="high=30,normal=120,low=0.05"))
+    run = Recorder(hold=True)
+    batcher = Batcher(run, max_batch=1, window=BatchWindow("adaptive", 0.015))
+    blocker, _, _ = make_job(policy, "blocker")
+    batcher.put(blocker)
+    assert run.entered.wait(5)
+    late, late_done, late_result = make_job(policy, "late", "low")
+    batcher.put(late)
+    threading.Timer(0.2, run.release.set).start()
+    assert late_done.wait(5)
+    batcher.close()
+    assert isinstance(late_result["output"], Unavailable) and "timeout" in str(late_result["output"])
+    assert policy.admission.snapshot()["low"].rejected["timeout"] == 1
+    assert run.batches == [["blocker"]]
+
+
+def test_a_failing_run_answers_every_job_with_its_error():
+    policy = QosPolicy(QosParams())
+    batcher = Batcher(Recorder(fail=RuntimeError("engine broke")), max_batch=4,
+                      window=BatchWindow("fixed", 0.2))
+    jobs = [make_job(policy, i) for i in range(2)]
+    for job, _, _ in jobs:
+        batcher.put(job)
+    assert all(answered.wait(5) for _, answered, _ in jobs)
+    batcher.close()
+    assert all(isinstance(result["output"], RuntimeError) for _, _, result in jobs)

@@ -147,7 +147,7 @@ class BatchedBackend(TritonBackend[P]):
             self.batch_metrics = CustomMetrics(self.pb, self.labels, BATCHER_GAUGES, BATCHER_COUNTERS)
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
             self.batcher = Batcher(self._run_jobs, max(1, self.model_config.get("max_batch_size", 1)), window,
-                                   name=f"{self.name}-batcher")
+                                   name=f"{self.name}-batcher", after=self._update_metrics)
 
     def load(self) -> None:
         """Load the engine (called by setup, after the pool exists)."""
@@ -241,12 +241,15 @@ class BatchedBackend(TritonBackend[P]):
         """On the batcher thread: one engine call for the batch (failures isolated per request)."""
         outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
                                        {i: job.work[1] for i, job in enumerate(batch)})
+        return [outputs[i] for i in range(len(batch))]
+
+    def _update_metrics(self) -> None:
+        """On the batcher thread, after a batch's responses."""
         admission = self.qos.admission
         self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
         self.batch_metrics.update({"batcher_window_seconds": self.batcher.window.current_s},
                                   {"batcher_batches_total": self.batcher.batches,
                                    "batcher_requests_total": self.batcher.requests})
-        return [outputs[i] for i in range(len(batch))]
 
     # --- both -------------------------------------------------------------------------------------------------
     def _prepare(self, item: Any, fault: str | None) -> Any:

@@ -97,11 +97,13 @@ class Job:
 
 
 class Batcher:
-    """A thread that runs `run(batch)` (one output or exception per job, in order) over batches of waiting jobs."""
+    """A thread that runs `run(batch)` (one output or exception per job, in order) over batches of waiting jobs,
+    then `after()` (metrics: once the batch's responses are gone)."""
 
     def __init__(self, run: Callable[[list[Job]], list[Any]], max_batch: int, window: BatchWindow,
-                 name: str = "batcher"):
+                 name: str = "batcher", after: Callable[[], None] = lambda: None):
         self._run = run
+        self._after = after
         self.max_batch = max_batch
         self.window = window
         self._jobs: list[Job] = []
@@ -153,6 +155,10 @@ class Batcher:
         for job, output in zip(batch, outputs):
             answer(job, output)
             self.window.finished(now - job.ticket.arrival)
+        try:
+            self._after()
+        except Exception:
+            log.exception("after a batch")
 
     def _next_batch(self) -> list[Job] | None:
         with self._cond:

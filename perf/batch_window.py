@@ -43,8 +43,8 @@ def configured(config: dict, window: str, max_ms: float, triton_delay_us: int | 
 
 
 def engine_ms_by_thread(folder: Path, items, rounds: int = 3) -> tuple[float, float]:
-    """Mean ms of one engine call on this process's main thread and on a worker thread (ours runs its batches on
-    one), the same clips, after a warm-up call on each."""
+    """Mean ms of one engine call on this process's main thread, then on a worker thread, the same clips, after a
+    warm-up call on each: torch's CPU kernels on a second thread that runs OpenMP regions."""
     import threading
     import time
 
@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
              "Setups one after another in one server (reloads with a config override), the same perf_analyzer "
              f"loads (concurrency, {args.interval_ms} ms windows) for each.",
              f"One engine call (one clip, the clips cycled) in this process after the server stopped: {main_ms:.1f} ms "
-             f"on the main thread, {worker_ms:.1f} ms on a worker thread ({worker_ms / main_ms:.2f}x). Triton runs "
-             "`execute` on the stub's main thread; our batcher runs its batches on a thread of its own."]
+             f"on the main thread, {worker_ms:.1f} ms on a worker thread ({worker_ms / main_ms:.2f}x) once the "
+             "main thread has run it too: why our batcher builds its engine on the thread that runs its batches."]
     adaptive_low, none_low = measured.get((ADAPTIVE, low)), measured.get((NO_WINDOW, low))
     adaptive_high, fixed_high = measured.get((ADAPTIVE, high)), measured.get((FIXED, high))
     if adaptive_low and none_low:

@@ -135,8 +135,9 @@ class BatchedBackend(TritonBackend[P]):
     def setup(self) -> None:
         self.pool = ThreadPoolExecutor(getattr(self.params, "prepare_threads", 4), thread_name_prefix=self.name)
         self.batcher: Batcher | None = None
-        self.load()
-        if self.params.batch_window != "triton":
+        if self.params.batch_window == "triton":
+            self.load()
+        else:
             from backends.core.metrics import CustomMetrics, QosMetrics
 
             if "dynamic_batching" in self.model_config:
@@ -147,10 +148,10 @@ class BatchedBackend(TritonBackend[P]):
             self.batch_metrics = CustomMetrics(self.pb, self.labels, BATCHER_GAUGES, BATCHER_COUNTERS)
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
             self.batcher = Batcher(self._run_jobs, max(1, self.model_config.get("max_batch_size", 1)), window,
-                                   name=f"{self.name}-batcher", after=self._update_metrics)
+                                   name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics)
 
     def load(self) -> None:
-        """Load the engine (called by setup, after the pool exists)."""
+        """Load the engine (called by setup, after the pool exists; on our batcher's thread when it batches)."""
 
     def read(self, inputs: Inputs) -> list[Any]:
         """The items of one request to prepare (e.g. its encoded images); raise InvalidInput when it is wrong."""

@@ -97,11 +97,16 @@ class Job:
 
 
 class Batcher:
-    """A thread that runs `run(batch)` (one output or exception per job, in order) over batches of waiting jobs,
-    then `after()` (metrics: once the batch's responses are gone)."""
+    """A thread that runs `setup()` once (it raises here if that fails), then `run(batch)` (one output or exception
+    per job, in order) over batches of waiting jobs, then `after()` (metrics: once the batch's responses are gone).
+
+    Build the engine in `setup`, on this thread: torch's CPU kernels ran 1.9x slower on a thread of their own once
+    another thread had used them (each thread that runs OpenMP parallel regions keeps a team of workers; with more
+    of them than cores libgomp stops spinning and every region waits for its workers to wake up)."""
 
     def __init__(self, run: Callable[[list[Job]], list[Any]], max_batch: int, window: BatchWindow,
-                 name: str = "batcher", after: Callable[[], None] = lambda: None):
+                 name: str = "batcher", setup: Callable[[], None] = lambda: None,
+                 after: Callable[[], None] = lambda: None):
         self._run = run
         self._after = after
         self.max_batch = max_batch
@@ -110,8 +115,12 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self.batches = self.requests = 0  # run so far (the batch being run counts)
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._setup, self._setup_error, ready = setup, [], threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(ready,), name=name, daemon=True)
         self._thread.start()
+        ready.wait()
+        if self._setup_error:
+            raise self._setup_error[0]
 
     def put(self, job: Job) -> None:
         with self._cond:
@@ -136,6 +145,16 @@ class Batcher:
             answer(job, Unavailable("the model is being unloaded"))
 
     # --- the batcher thread -----------------------------------------------------------------------------------
+    def _main(self, ready: threading.Event) -> None:
+        try:
+            self._setup()
+        except Exception as e:
+            self._setup_error.append(e)
+            return
+        finally:
+            ready.set()
+        self._loop()
+
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
             if batch:  # empty when every waiting job had timed out

@@ -169,3 +169,16 @@ def test_a_failing_run_answers_every_job_with_its_error():
     assert all(answered.wait(5) for _, answered, _ in jobs)
     batcher.close()
     assert all(isinstance(result["output"], RuntimeError) for _, _, result in jobs)
+
+
+def test_setup_runs_on_the_batcher_thread_and_its_failure_raises_at_construction():
+    threads = []
+    batcher = Batcher(Recorder(), max_batch=1, window=BatchWindow("adaptive", 0.015), name="the-batcher",
+                      setup=lambda: threads.append(threading.current_thread().name))
+    batcher.close()
+    assert threads == ["the-batcher"]  # where the engine is built is where it runs
+
+    def broken():
+        raise RuntimeError("no weights")
+    with pytest.raises(RuntimeError, match="no weights"):
+        Batcher(Recorder(), max_batch=1, window=BatchWindow("adaptive", 0.015), setup=broken)

@@ -121,7 +121,15 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
     Params = EngineConfig
 
     def setup(self) -> None:
-        self.engine = LLMEngine(self.folder, dataclasses.replace(self.params, device=self.device))
+        # the engine is built on the loop thread that steps it: torch's CPU kernels ran about 2x slower on a second
+        # thread once the main thread had used them (see backends.core.batcher.Batcher)
+        ready, failure, self.started = threading.Event(), [], threading.Event()
+        self.thread = threading.Thread(target=self._main, args=(ready, failure), name=f"{self.name}-engine",
+                                       daemon=True)
+        self.thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
         self.inbox: queue.Queue[Pending] = queue.Queue()
         self.pending: list[Pending] = []  # taken from the inbox, preparation still running
         self.active: dict[Sequence, Stream] = {}
@@ -136,8 +144,22 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.qos_metrics = QosMetrics(self.pb, self.labels, CLASSES, REJECTIONS)
         self.outbox = Outbox(self._text, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self._update_metrics,
                              poll_s=HOUSEKEEPING_S, name=f"{self.name}-outbox", threads=self.params.response_threads)
-        self.thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
-        self.thread.start()
+        self.started.set()
+
+    def load(self) -> None:
+        """Build the engine (and what else runs on the loop: the VLM's vision tower); on the loop thread."""
+        self.engine = LLMEngine(self.folder, dataclasses.replace(self.params, device=self.device))
+
+    def _main(self, ready: threading.Event, failure: list[BaseException]) -> None:
+        try:
+            self.load()
+        except Exception as e:
+            failure.append(e)
+            return
+        finally:
+            ready.set()
+        self.started.wait()  # `setup` has made the queues, metrics and outbox the loop uses
+        self._loop()
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -56,8 +56,8 @@ class PreparedImage:
 class TritonPythonModel(LLMBackend):
     Params = VLMParams
 
-    def setup(self) -> None:
-        super().setup()
+    def load(self) -> None:
+        super().load()
         params: VLMParams = self.params
         self.tiler = dataclasses.replace(tiler_from_checkpoint(self.folder), keep_ratio=params.visual_keep_ratio)
         self.preprocess = ImagePreprocessor.from_dict(image_processor_config(self.folder))

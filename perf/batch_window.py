@@ -48,6 +48,8 @@ def engine_ms_by_thread(folder: Path, items, rounds: int = 3) -> tuple[float, fl
     import threading
     import time
 
+    import torch
+
     from backends.media.audio import decode_audio
     from backends.whisper.engine import WhisperEngine
 
@@ -67,7 +69,6 @@ def engine_ms_by_thread(folder: Path, items, rounds: int = 3) -> tuple[float, fl
             times.append(time.perf_counter() - start)
         means.append(1000 * sum(times[1:]) / len(times[1:]))
 
-    import torch
     measure()
     worker = threading.Thread(target=measure)
     worker.start()

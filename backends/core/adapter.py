@@ -171,6 +171,9 @@ class BatchedBackend(TritonBackend[P]):
     def respond(self, output: Any):
         raise NotImplementedError
 
+    def after_batch(self) -> None:
+        """After a batch's responses (the model's own metrics)."""
+
     def execute(self, requests: list) -> list | None:
         if self.batcher is None:
             return self._execute_batch(requests)
@@ -197,6 +200,7 @@ class BatchedBackend(TritonBackend[P]):
                 responses[i] = self.error_response(e)
         for i, output in self._infer_isolated(prepared, faults).items():
             responses[i] = self._response(output)
+        self.after_batch()
         return responses
 
     def _read(self, request, fault: str | None) -> list[Any]:
@@ -251,6 +255,7 @@ class BatchedBackend(TritonBackend[P]):
         self.batch_metrics.update({"batcher_window_seconds": self.batcher.window.current_s},
                                   {"batcher_batches_total": self.batcher.batches,
                                    "batcher_requests_total": self.batcher.requests})
+        self.after_batch()
 
     # --- both -------------------------------------------------------------------------------------------------
     def _prepare(self, item: Any, fault: str | None) -> Any:

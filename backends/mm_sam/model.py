@@ -1,52 +1,74 @@
 """`mm_sam`: Triton backend for `sam`, image + one prompt (points with labels, and/or one box, optionally the low-res
 logits of an earlier mask) -> masks at the image's size, IoU scores and the low-res logits.
 
-The engine caches image embeddings by content hash; cache hits, misses and evictions are exported as counters
-(sam_embedding_cache_*), so a client can see a second click skip the encoder.
+One prompt per engine call. The engine caches image embeddings by content hash; cache hits, misses and evictions are
+exported as counters (sam_embedding_cache_*), so a client can see a second click skip the encoder. With
+`batch_window` fixed (or adaptive) our batcher queues the requests in QoS order: a click on a cached image costs
+nothing in the score, a new image costs a full image's tokens (it runs the encoder).
 """
 from __future__ import annotations
 
-from backends.core.adapter import TritonBackend, inject
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.core.adapter import BatchedBackend
+from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
-from backends.sam.engine import SamEngine, SamParams
+from backends.sam.engine import SamEngine, SamParams, Segmentation
 
 COUNTERS = {"hits": "image embeddings served from the cache", "misses": "images that ran the encoder",
             "evictions": "embeddings dropped from the cache to stay within its memory bound"}
+ENCODER_TOKENS = 64 * 64  # the image embedding's positions: the QoS size of an image that runs the encoder
 
 
-class TritonPythonModel(TritonBackend[SamParams]):
+@dataclass
+class Prompt:
+    """One request: the encoded image and its prompt."""
+
+    image: bytes
+    points: np.ndarray | None
+    labels: np.ndarray | None
+    boxes: np.ndarray | None
+    mask_input: np.ndarray | None
+    multimask: bool
+
+
+class TritonPythonModel(BatchedBackend[SamParams]):
     Params = SamParams
 
     def setup(self) -> None:
-        self.engine = SamEngine(self.folder, self.params.runtime, self.device, self.params.embedding_cache_mb,
-                                self.params.max_points)
         self.metrics = CustomMetrics(self.pb, self.labels, {}, {f"sam_embedding_cache_{k}_total": doc
                                                                  for k, doc in COUNTERS.items()})
+        super().setup()
 
-    def segment(self, request):
-        fault = self.check_parameters(request)
-        inject(fault, "read")
-        inputs = self.inputs(request)
-        image = inputs.blob("image", "encoded image")
-        multimask = inputs.scalar("multimask_output", bool, True)
-        points, labels, boxes, mask_input = (inputs.array(name) for name in (
-            "point_coords", "point_labels", "boxes", "mask_input"))
-        inject(fault, "infer")
-        result = self.engine.segment(image, points, labels, boxes, multimask, mask_input)
+    def load(self) -> None:
+        self.engine = SamEngine(self.folder, self.params.runtime, self.device, self.params.embedding_cache_mb,
+                                self.params.max_points)
+
+    def read(self, inputs: Inputs) -> list[Prompt]:
+        return [Prompt(inputs.blob("image", "encoded image"), *(inputs.array(name) for name in (
+            "point_coords", "point_labels", "boxes", "mask_input")), inputs.scalar("multimask_output", bool, True))]
+
+    def sizes(self, prepared: list[Prompt]) -> dict[str, float]:
+        cached = self.engine.cache.entries  # read only: the engine's thread owns the cache
+        return {"image_tokens": sum(0 if hashlib.sha256(p.image).hexdigest() in cached else ENCODER_TOKENS
+                                    for p in prepared)}
+
+    def infer(self, batch: list[list[Prompt]]) -> list[Segmentation]:
+        return [self.engine.segment(p.image, p.points, p.labels, p.boxes, p.multimask, p.mask_input)
+                for (p,) in batch]
+
+    def respond(self, result: Segmentation):
         return self.pb.InferenceResponse([self.pb.Tensor("masks", result.masks),
                                           self.pb.Tensor("iou_scores", result.iou_scores),
                                           self.pb.Tensor("low_res_logits", result.low_res_logits)])
 
-    def execute(self, requests: list) -> list:
-        responses = []
-        for request in requests:  # one at a time: the embedding cache belongs to this thread
-            try:
-                responses.append(self.segment(request))
-            except Exception as e:
-                responses.append(self.error_response(e))
+    def after_batch(self) -> None:
         cache = self.engine.cache
         self.metrics.update(totals={f"sam_embedding_cache_{k}_total": getattr(cache, k) for k in COUNTERS})
-        return responses
 
     def finalize(self) -> None:
+        super().finalize()
         self.metrics.close()

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from backends.core.batcher import BatchingParams
 from backends.core.errors import InvalidInput
-from backends.core.params import Parameters, bounded, choice, device
+from backends.core.params import bounded, choice, device
 from backends.core.runtime import RUNTIMES, load_runtime
 from backends.media.images import DEFAULT_MAX_PIXELS, decode_image
 
@@ -24,7 +25,7 @@ LOW_RES = 256  # side of the decoder's low-res masks (and of mask_input)
 
 
 @dataclass(frozen=True)
-class SamParams(Parameters):
+class SamParams(BatchingParams):
     """The `mm_sam` backend's parameters."""
 
     runtime: str = choice("auto", *RUNTIMES)

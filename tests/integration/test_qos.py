@@ -17,7 +17,7 @@ from backends.server import TritonServer, free_port
 from build_engines.cli import main as build_engines
 from client.sdk import generation_inputs
 from perf.llm import stream_one
-from tests.conftest import ROOT, wav
+from tests.conftest import ROOT, encode, wav
 
 HEAVY = "the cat sat on the red car by the tree " * 6
 RNG = np.random.default_rng(17)
@@ -143,46 +143,53 @@ def whisper_server(tmp_path_factory, whisper_checkpoint):
         yield running
 
 
-async def transcribe_burst(server, long: bytes, short: bytes) -> tuple[list, object, object]:
-    """Three long low-class clips (one runs, two wait: the low queue is full), then one more low one and a high
-    one; each result is (sent, ended, error)."""
-    from tritonclient.utils import InferenceServerException
+def infer_task(client, model: str, tensors: dict[str, np.ndarray], qos_class: str) -> asyncio.Future:
+    """One request in the background; its result is (sent, ended, error)."""
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+    inputs = []
+    for name, array in tensors.items():
+        inputs.append(grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype)))
+        inputs[-1].set_data_from_numpy(array)
+
+    async def call():
+        sent = time.perf_counter()
+        try:
+            await client.infer(model, inputs, parameters={"qos_class": qos_class})
+            return sent, time.perf_counter(), None
+        except InferenceServerException as e:
+            return sent, time.perf_counter(), str(e)
+    return asyncio.ensure_future(call())
+
+
+async def heavy_burst(server, model: str, heavy: list[dict], light: dict) -> tuple[list, object, object]:
+    """Three heavy low-class requests (one runs, two wait: the low queue is full), then one more low one and a
+    light high one."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
-
-    def send(audio: bytes, qos_class: str):
-        tensor = grpcclient.InferInput("audio", [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[audio]], dtype=np.object_))
-
-        async def call():
-            sent = time.perf_counter()
-            try:
-                await client.infer("whisper", [tensor], parameters={"qos_class": qos_class})
-                return sent, time.perf_counter(), None
-            except InferenceServerException as e:
-                return sent, time.perf_counter(), str(e)
-        return asyncio.ensure_future(call())
-
     try:
-        lows = [send(long, "low")]
-        await asyncio.sleep(0.3)  # the first one is running (its decoding takes ~10 ms)
-        lows += [send(long, "low") for _ in range(2)]
+        lows = [infer_task(client, model, heavy[0], "low")]
+        await asyncio.sleep(0.3)  # the first one is running
+        lows += [infer_task(client, model, tensors, "low") for tensors in heavy[1:3]]
         await asyncio.sleep(0.1)
-        refused, high = send(short, "low"), send(short, "high")
+        refused, high = infer_task(client, model, light, "low"), infer_task(client, model, light, "high")
         results = await asyncio.wait_for(asyncio.gather(*lows, refused, high), timeout=120)
     finally:
         await client.close()
     return results[:3], results[3], results[4]
 
 
+def check_burst(lows: list, refused, high) -> None:
+    assert [error for *_, error in lows] == [None] * 3 and high[2] is None, (lows, high)
+    assert high[1] < min(ended for _, ended, _ in lows[1:]), "the high request waited behind low ones queued first"
+    assert refused[2] and "the low queue is full (2 requests waiting)" in refused[2]
+    assert refused[1] - refused[0] < 0.05, "refused at once, not left to time out"
+
+
 def test_whisper_serves_the_high_class_first_and_refuses_a_full_queue_at_once(whisper_server):
     long = wav(RNG.normal(0, 0.1, 16000 * 150).astype(np.float32))  # 150 s: 6 chunks, well over a second here
     short = wav(RNG.normal(0, 0.1, 16000).astype(np.float32))
-    lows, refused, high = asyncio.run(transcribe_burst(whisper_server, long, short))
-    assert [error for *_, error in lows] == [None] * 3 and high[2] is None
-    assert high[1] < min(ended for _, ended, _ in lows[1:]), "the high clip waited behind low ones queued before it"
-    assert refused[2] and "the low queue is full (2 requests waiting)" in refused[2]
-    assert refused[1] - refused[0] < 0.05, "refused at once, not left to time out"
+    check_burst(*asyncio.run(heavy_burst(whisper_server, "whisper", [{"audio": np.array([[long]], np.object_)}] * 3,
+                                         {"audio": np.array([[short]], np.object_)})))
     deadline = time.monotonic() + 5
     while value(after := metrics(whisper_server), "qos_admitted_total", model="whisper", qos_class="low") < 3:
         assert time.monotonic() < deadline, "the low clips were never counted"
@@ -229,3 +236,38 @@ def test_whisper_reloaded_in_place_keeps_serving_and_batches(whisper_server):
         time.sleep(0.05)
     assert 4 in series["batcher_requests_total"], series
     assert min(series["batcher_batches_total"]) < 4, series  # the four ran in fewer batches
+
+
+# --- sam: our batcher as a QoS queue (one prompt per engine call), a new image costs its encoder run ----------
+@pytest.fixture(scope="module")
+def sam_server(tmp_path_factory, sam_checkpoint):
+    repository = tmp_path_factory.mktemp("qos-sam")
+    assert build_engines(["sam", "--checkpoint", str(sam_checkpoint), "--repository", str(repository),
+                          "--batch-window", "fixed", "--batch-window-max-ms", "0",
+                          "--qos-max-queued", "high=2,normal=2,low=2"]) == 0
+    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-qos-sam.log") as running:
+        yield running
+
+
+def test_sam_serves_a_high_click_before_queued_new_images(sam_server):
+    from perf.inputs import photo_like
+
+    def click(image: bytes) -> dict:
+        return {"image": np.array([image], np.object_), "point_coords": np.array([[10.0, 10.0]], np.float32),
+                "point_labels": np.array([1], np.int32)}
+    small = encode(photo_like(64, 48, 0), "JPEG")
+    heavy = [click(encode(photo_like(6000, 4000, seed), "JPEG")) for seed in (1, 2, 3)]  # decoded by the engine
+
+    async def warm():  # the small image's embedding is cached: clicking it again costs nothing in the score
+        client = grpcclient.InferenceServerClient(sam_server.grpc_url)
+        try:
+            assert (await infer_task(client, "sam", click(small), "normal"))[2] is None
+        finally:
+            await client.close()
+    asyncio.run(warm())
+    check_burst(*asyncio.run(heavy_burst(sam_server, "sam", heavy, click(small))))
+    deadline = time.monotonic() + 5
+    while value(after := metrics(sam_server), "qos_admitted_total", model="sam", qos_class="low") < 3:
+        assert time.monotonic() < deadline, "the low requests were never counted"
+        time.sleep(0.05)
+    assert value(after, "qos_rejected_total", model="sam", qos_class="low", reason="queue_full") == 1

@@ -115,12 +115,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self.batches = self.requests = 0  # run so far (the batch being run counts)
-        self._setup, self._setup_error, ready = setup, [], threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(ready,), name=name, daemon=True)
-        self._thread.start()
-        ready.wait()
-        if self._setup_error:
-            raise self._setup_error[0]
+        self._thread = start_thread(setup, self._loop, name)
 
     def put(self, job: Job) -> None:
         with self._cond:
@@ -145,16 +140,6 @@ class Batcher:
             answer(job, Unavailable("the model is being unloaded"))
 
     # --- the batcher thread -----------------------------------------------------------------------------------
-    def _main(self, ready: threading.Event) -> None:
-        try:
-            self._setup()
-        except Exception as e:
-            self._setup_error.append(e)
-            return
-        finally:
-            ready.set()
-        self._loop()
-
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
             if batch:  # empty when every waiting job had timed out
@@ -210,6 +195,28 @@ class Batcher:
         expired, self._jobs = [j for j in self._jobs if j.ticket.expired(now)], \
             [j for j in self._jobs if not j.ticket.expired(now)]
         return [(job, job.ticket.time_out(now)) for job in expired]
+
+
+def start_thread(setup: Callable[[], None], run: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread that runs `setup()` then `run()`; returns once `setup` is done, raising what it raised.
+    For engines: built on the thread that runs them (see Batcher)."""
+    ready, failure = threading.Event(), []
+
+    def main() -> None:
+        try:
+            setup()
+        except Exception as e:
+            failure.append(e)
+            return
+        finally:
+            ready.set()
+        run()
+    thread = threading.Thread(target=main, name=name, daemon=True)
+    thread.start()
+    ready.wait()
+    if failure:
+        raise failure[0]
+    return thread
 
 
 def answer(job: Job, output: Any) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from backends.core.adapter import TritonBackend, inject
+from backends.core.batcher import start_thread
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics, QosMetrics
@@ -122,14 +123,10 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
 
     def setup(self) -> None:
         # the engine is built on the loop thread that steps it: torch's CPU kernels ran about 2x slower on a second
-        # thread once the main thread had used them (see backends.core.batcher.Batcher)
-        ready, failure, self.started = threading.Event(), [], threading.Event()
-        self.thread = threading.Thread(target=self._main, args=(ready, failure), name=f"{self.name}-engine",
-                                       daemon=True)
-        self.thread.start()
-        ready.wait()
-        if failure:
-            raise failure[0]
+        # thread once the main thread had used them (see backends.core.batcher.Batcher); the loop starts once
+        # `setup` has made the queues, metrics and outbox it uses
+        self.started = threading.Event()
+        self.thread = start_thread(self.load, self._loop, f"{self.name}-engine")
         self.inbox: queue.Queue[Pending] = queue.Queue()
         self.pending: list[Pending] = []  # taken from the inbox, preparation still running
         self.active: dict[Sequence, Stream] = {}
@@ -150,16 +147,6 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         """Build the engine (and what else runs on the loop: the VLM's vision tower); on the loop thread."""
         self.engine = LLMEngine(self.folder, dataclasses.replace(self.params, device=self.device))
 
-    def _main(self, ready: threading.Event, failure: list[BaseException]) -> None:
-        try:
-            self.load()
-        except Exception as e:
-            failure.append(e)
-            return
-        finally:
-            ready.set()
-        self.started.wait()  # `setup` has made the queues, metrics and outbox the loop uses
-        self._loop()
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -240,6 +227,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
 
     # --- the engine loop ------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        self.started.wait()  # `setup` has made the queues, metrics and outbox
         last_housekeeping = 0.0
         while self.running:
             self._admit()

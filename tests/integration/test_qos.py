@@ -162,13 +162,14 @@ def infer_task(client, model: str, tensors: dict[str, np.ndarray], qos_class: st
     return asyncio.ensure_future(call())
 
 
-async def heavy_burst(server, model: str, heavy: list[dict], light: dict) -> tuple[list, object, object]:
+async def heavy_burst(server, model: str, heavy: list[dict], light: dict,
+                      running_s: float) -> tuple[list, object, object]:
     """Three heavy low-class requests (one runs, two wait: the low queue is full), then one more low one and a
-    light high one."""
+    light high one. The first one has started after `running_s` and still runs 0.1 s later."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         lows = [infer_task(client, model, heavy[0], "low")]
-        await asyncio.sleep(0.3)  # the first one is running
+        await asyncio.sleep(running_s)
         lows += [infer_task(client, model, tensors, "low") for tensors in heavy[1:3]]
         await asyncio.sleep(0.1)
         refused, high = infer_task(client, model, light, "low"), infer_task(client, model, light, "high")
@@ -186,10 +187,10 @@ def check_burst(lows: list, refused, high) -> None:
 
 
 def test_whisper_serves_the_high_class_first_and_refuses_a_full_queue_at_once(whisper_server):
-    long = wav(RNG.normal(0, 0.1, 16000 * 150).astype(np.float32))  # 150 s: 6 chunks, well over a second here
+    long = wav(RNG.normal(0, 0.1, 16000 * 300).astype(np.float32))  # 300 s: 15 chunks, about 3 s here
     short = wav(RNG.normal(0, 0.1, 16000).astype(np.float32))
     check_burst(*asyncio.run(heavy_burst(whisper_server, "whisper", [{"audio": np.array([[long]], np.object_)}] * 3,
-                                         {"audio": np.array([[short]], np.object_)})))
+                                         {"audio": np.array([[short]], np.object_)}, running_s=1.0)))
     deadline = time.monotonic() + 5
     while value(after := metrics(whisper_server), "qos_admitted_total", model="whisper", qos_class="low") < 3:
         assert time.monotonic() < deadline, "the low clips were never counted"
@@ -265,7 +266,7 @@ def test_sam_serves_a_high_click_before_queued_new_images(sam_server):
         finally:
             await client.close()
     asyncio.run(warm())
-    check_burst(*asyncio.run(heavy_burst(sam_server, "sam", heavy, click(small))))
+    check_burst(*asyncio.run(heavy_burst(sam_server, "sam", heavy, click(small), running_s=0.3)))
     deadline = time.monotonic() + 5
     while value(after := metrics(sam_server), "qos_admitted_total", model="sam", qos_class="low") < 3:
         assert time.monotonic() < deadline, "the low requests were never counted"

@@ -23,7 +23,7 @@ demo: engines     ## start the server, call every model once, stop it
 	$(PY) -m client.demo
 
 test: engines fp8-reference  ## the whole suite: unit tests and integration tests against a real tritonserver
-	$(PY) -m pytest -q tests
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q tests  # servers share the CPU with the tests: no spinning OpenMP workers (README, QoS)
 
 test-unit: setup fp8-reference
 	$(PY) -m pytest -q tests/unit

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 from backends.core.batcher import Batcher, BatchWindow, Job, answer
 from backends.core.errors import InjectedFault, InvalidInput, NotFound, Unavailable
 from backends.core.inputs import Inputs, check_request_parameters
+from backends.core.metrics import CustomMetrics, QosMetrics
 from backends.core.params import Parameters
 from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, QosPolicy, read_qos_class
 
@@ -138,8 +139,6 @@ class BatchedBackend(TritonBackend[P]):
         if self.params.batch_window == "triton":
             self.load()
         else:
-            from backends.core.metrics import CustomMetrics, QosMetrics
-
             if "dynamic_batching" in self.model_config:
                 log.warning("%s: batch_window %s with Triton's dynamic batcher too: requests wait in both",
                             self.name, self.params.batch_window)

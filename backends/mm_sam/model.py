@@ -8,7 +8,6 @@ nothing in the score, a new image costs a full image's tokens (it runs the encod
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +15,7 @@ import numpy as np
 from backends.core.adapter import BatchedBackend
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
-from backends.sam.engine import SamEngine, SamParams, Segmentation
+from backends.sam.engine import SamEngine, SamParams, Segmentation, image_key
 
 COUNTERS = {"hits": "image embeddings served from the cache", "misses": "images that ran the encoder",
             "evictions": "embeddings dropped from the cache to stay within its memory bound"}
@@ -33,6 +32,7 @@ class Prompt:
     boxes: np.ndarray | None
     mask_input: np.ndarray | None
     multimask: bool
+    key: str = ""  # the embedding cache's key, hashed on the pool thread by `prepare`
 
 
 class TritonPythonModel(BatchedBackend[SamParams]):
@@ -51,13 +51,16 @@ class TritonPythonModel(BatchedBackend[SamParams]):
         return [Prompt(inputs.blob("image", "encoded image"), *(inputs.array(name) for name in (
             "point_coords", "point_labels", "boxes", "mask_input")), inputs.scalar("multimask_output", bool, True))]
 
+    def prepare(self, prompt: Prompt) -> Prompt:
+        prompt.key = image_key(prompt.image)
+        return prompt
+
     def sizes(self, prepared: list[Prompt]) -> dict[str, float]:
         cached = self.engine.cache.entries  # read only: the engine's thread owns the cache
-        return {"image_tokens": sum(0 if hashlib.sha256(p.image).hexdigest() in cached else ENCODER_TOKENS
-                                    for p in prepared)}
+        return {"image_tokens": sum(0 if p.key in cached else ENCODER_TOKENS for p in prepared)}
 
     def infer(self, batch: list[list[Prompt]]) -> list[Segmentation]:
-        return [self.engine.segment(p.image, p.points, p.labels, p.boxes, p.multimask, p.mask_input)
+        return [self.engine.segment(p.image, p.points, p.labels, p.boxes, p.multimask, p.mask_input, p.key)
                 for (p,) in batch]
 
     def respond(self, result: Segmentation):

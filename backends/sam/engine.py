@@ -34,6 +34,11 @@ class SamParams(BatchingParams):
     max_points: int = bounded(64, 1)
 
 
+def image_key(data: bytes) -> str:
+    """The embedding cache's key for an encoded image."""
+    return hashlib.sha256(data).hexdigest()
+
+
 @dataclass
 class Embedded:
     embeddings: np.ndarray  # float32 [1, C, 64, 64], in host memory: the GPU keeps only what is running
@@ -92,9 +97,10 @@ class SamEngine:
         self.max_points, self.max_pixels = max_points, max_pixels
         self.encoder_runs = 0
 
-    def embed(self, data: bytes) -> Embedded:
-        """The image's embedding, from the cache when these exact bytes were seen."""
-        key = hashlib.sha256(data).hexdigest()
+    def embed(self, data: bytes, key: str | None = None) -> Embedded:
+        """The image's embedding, from the cache when these exact bytes were seen (`key`: their `image_key`, when
+        the caller has it already)."""
+        key = key or image_key(data)
         entry = self.cache.get(key)
         if entry is None:
             inputs = self.processor(images=decode_image(data, self.max_pixels), return_tensors="np")
@@ -134,10 +140,10 @@ class SamEngine:
 
     def segment(self, data: bytes, points: np.ndarray | None = None, labels: np.ndarray | None = None,
                 boxes: np.ndarray | None = None, multimask: bool = True,
-                mask_input: np.ndarray | None = None) -> Segmentation:
+                mask_input: np.ndarray | None = None, key: str | None = None) -> Segmentation:
         """One prompt (all points together, optionally one box and the low-res logits of an earlier mask) on one
         image."""
-        entry = self.embed(data)
+        entry = self.embed(data, key)
         self.check_prompt(points, labels, boxes, mask_input, entry.original_size)
         (height, width), (new_height, new_width) = entry.original_size, entry.reshaped_size
         scale = np.array([new_width / width, new_height / height])  # SamProcessor's coordinate scaling

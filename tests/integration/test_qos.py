@@ -23,14 +23,19 @@ HEAVY = "the cat sat on the red car by the tree " * 6
 RNG = np.random.default_rng(17)
 
 
+def built_server(tmp_path_factory, family: str, checkpoint, *flags: str, **server_options):
+    """A server over a repository holding one `family` model built with `flags` (a fixture's body)."""
+    repository = tmp_path_factory.mktemp(f"qos-{family}")
+    assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository), *flags]) == 0
+    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / f"test-qos-{family}.log",
+                      **server_options) as running:
+        yield running
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, llm_checkpoint):
-    repository = tmp_path_factory.mktemp("qos")
-    assert build_engines(["llm", "--checkpoint", str(llm_checkpoint), "--repository", str(repository),
-                          "--kv-cache-memory-mb", "16", "--max-batch", "1",
-                          "--qos-max-queued", "high=4,normal=4,low=3"]) == 0
-    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-qos.log") as running:
-        yield running
+    yield from built_server(tmp_path_factory, "llm", llm_checkpoint, "--kv-cache-memory-mb", "16", "--max-batch", "1",
+                            "--qos-max-queued", "high=4,normal=4,low=3")
 
 
 def metrics(server) -> str:
@@ -134,13 +139,9 @@ def test_the_client_sends_the_class_over_both_protocols(server, protocol):
 # --- whisper: our batcher (one request per batch here), QoS by class and audio length ---------------------------
 @pytest.fixture(scope="module")
 def whisper_server(tmp_path_factory, whisper_checkpoint):
-    repository = tmp_path_factory.mktemp("qos-whisper")
-    assert build_engines(["whisper", "--checkpoint", str(whisper_checkpoint), "--repository", str(repository),
-                          "--max-batch-size", "1", "--batch-window", "adaptive",
-                          "--qos-max-queued", "high=2,normal=2,low=2"]) == 0
-    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-qos-whisper.log",
-                      model_control="explicit", load_models=["whisper"]) as running:
-        yield running
+    yield from built_server(tmp_path_factory, "whisper", whisper_checkpoint, "--max-batch-size", "1",
+                            "--batch-window", "adaptive", "--qos-max-queued", "high=2,normal=2,low=2",
+                            model_control="explicit", load_models=["whisper"])
 
 
 def infer_task(client, model: str, tensors: dict[str, np.ndarray], qos_class: str) -> asyncio.Future:
@@ -165,10 +166,20 @@ def infer_task(client, model: str, tensors: dict[str, np.ndarray], qos_class: st
 async def heavy_burst(server, model: str, heavy: list[dict], light: dict,
                       running_s: float) -> tuple[list, object, object]:
     """Three heavy low-class requests (one runs, two wait: the low queue is full), then one more low one and a
-    light high one. The first one has started after `running_s` and still runs 0.1 s later."""
+    light high one. The first one has started `running_s` after the model took it (a large request takes a while
+    to reach the model on a busy machine) and still runs 0.1 s later."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    async def taken() -> int:  # requests the model's `execute` has taken (admitted to our queue)
+        stats = await client.get_inference_statistics(model, as_json=True)
+        return int(stats["model_stats"][0].get("inference_count", 0))
     try:
+        before = await taken()
         lows = [infer_task(client, model, heavy[0], "low")]
+        deadline = time.monotonic() + 30
+        while await taken() == before:
+            assert time.monotonic() < deadline, f"{model} never took the first request"
+            await asyncio.sleep(0.01)
         await asyncio.sleep(running_s)
         lows += [infer_task(client, model, tensors, "low") for tensors in heavy[1:3]]
         await asyncio.sleep(0.1)
@@ -242,12 +253,8 @@ def test_whisper_reloaded_in_place_keeps_serving_and_batches(whisper_server):
 # --- sam: our batcher as a QoS queue (one prompt per engine call), a new image costs its encoder run ----------
 @pytest.fixture(scope="module")
 def sam_server(tmp_path_factory, sam_checkpoint):
-    repository = tmp_path_factory.mktemp("qos-sam")
-    assert build_engines(["sam", "--checkpoint", str(sam_checkpoint), "--repository", str(repository),
-                          "--batch-window", "fixed", "--batch-window-max-ms", "0",
-                          "--qos-max-queued", "high=2,normal=2,low=2"]) == 0
-    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-qos-sam.log") as running:
-        yield running
+    yield from built_server(tmp_path_factory, "sam", sam_checkpoint, "--batch-window", "fixed",
+                            "--batch-window-max-ms", "0", "--qos-max-queued", "high=2,normal=2,low=2")
 
 
 def test_sam_serves_a_high_click_before_queued_new_images(sam_server):

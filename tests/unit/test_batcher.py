@@ -83,13 +83,20 @@ def make_job(policy: QosPolicy, work, qos_class: str | None = None, score: float
     return Job(work, policy.admit(policy.ticket(qos_class, score)), answer), answered, result
 
 
-def test_waiting_requests_run_by_class_then_score():
-    policy = QosPolicy(QosParams())
+def busy_batcher(policy: QosPolicy, first: str):
+    """A one-request batcher whose engine is busy with the job `first` until `run.release` is set; jobs put
+    meanwhile wait. Returns the batcher, its Recorder and `first`'s (job, answered, result)."""
     run = Recorder(hold=True)
     batcher = Batcher(run, max_batch=1, window=BatchWindow("adaptive", 0.015))
-    first, _, _ = make_job(policy, "first")
-    batcher.put(first)
-    assert run.entered.wait(5)  # the engine is busy with `first`; these queue meanwhile
+    job = make_job(policy, first)
+    batcher.put(job[0])
+    assert run.entered.wait(5)
+    return batcher, run, job
+
+
+def test_waiting_requests_run_by_class_then_score():
+    policy = QosPolicy(QosParams())
+    batcher, run, _ = busy_batcher(policy, "first")
     jobs = [make_job(policy, name, cls, score) for name, cls, score in
             [("low", "low", 0.0), ("normal-big", "normal", 0.9), ("normal-small", "normal", 0.1), ("high", "high", 1)]]
     for job, _, _ in jobs:
@@ -125,11 +132,7 @@ def test_a_full_batch_leaves_at_once_and_a_window_gathers_more():
 
 def test_close_refuses_waiting_requests_and_later_ones():
     policy = QosPolicy(QosParams())
-    run = Recorder(hold=True)
-    batcher = Batcher(run, max_batch=1, window=BatchWindow("adaptive", 0.015))
-    running, running_done, running_result = make_job(policy, "running")
-    batcher.put(running)
-    assert run.entered.wait(5)
+    batcher, run, (_, running_done, running_result) = busy_batcher(policy, "running")
     waiting, waiting_done, waiting_result = make_job(policy, "waiting")
     batcher.put(waiting)
     threading.Timer(0.2, run.release.set).start()
@@ -144,11 +147,7 @@ def test_close_refuses_waiting_requests_and_later_ones():
 
 def test_a_request_past_its_timeout_is_refused_and_counted():
     policy = QosPolicy(QosParams(qos_timeout_s="high=30,normal=120,low=0.05"))
-    run = Recorder(hold=True)
-    batcher = Batcher(run, max_batch=1, window=BatchWindow("adaptive", 0.015))
-    blocker, _, _ = make_job(policy, "blocker")
-    batcher.put(blocker)
-    assert run.entered.wait(5)
+    batcher, run, _ = busy_batcher(policy, "blocker")
     late, late_done, late_result = make_job(policy, "late", "low")
     batcher.put(late)
     threading.Timer(0.2, run.release.set).start()

@@ -30,7 +30,9 @@
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
-#   "qos": perf.qos on Llama-3-8B shapes (random bf16): QoS beside first come first served, light / 1x / 2x capacity)
+#   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
+#   ("llm vlm"): llm on Llama-3-8B shapes, vlm on LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes (random bf16);
+#   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10")
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -181,8 +183,12 @@ served_llm_in_process_bench(Path('model_repository'), Path(sys.argv[1]) / sys.ar
 hardware_line('2.51.0'))" "$results" "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" qos "* ]]; then
-  "${build[@]}" llm --random-init llama-3-8b --precision bf16 --device cuda
-  "$py" -m perf.qos --checkpoint .checkpoints/random-llama-3-8b --device cuda --max-batch 64 \
-    --kv-cache-memory-mb 24000 --results "$results" --host "${HOST:-gpu}"
+  for family in ${QOS_FAMILIES:-llm vlm}; do
+    if [ "$family" = llm ]; then preset=llama-3-8b; else preset=llava-next-8b; fi
+    "${build[@]}" "$family" --random-init "$preset" --precision bf16 --device cuda
+    "$py" -m perf.qos --families "$family" --checkpoint "$family=.checkpoints/random-$preset" --device cuda \
+      --precision bf16 --max-batch 64 --kv-cache-memory-mb 24000 --results "$results" --host "${HOST:-gpu}" \
+      ${QOS_ARGS:-}
+  done
 fi
 echo "== results in $results/${HOST:-gpu}"

@@ -1,17 +1,21 @@
-"""python -m perf.qos: a mixed load on the served `llm` with QoS classes beside the same engine first come first
-served, in one server and one run.
+"""python -m perf.qos: a mixed load with QoS classes beside the same engine first come first served, in one server and
+one run per model family: short chats and long prompts to `llm`, small images and 4K photos to `vlm`, short and long
+clips to `whisper`.
 
-Two models are built from one checkpoint: `llm_qos` (the default QoS settings) and `llm_fifo` (cost weights zero,
-queues unbounded, every request in the default class: first come first served, what the engine did before QoS).
-The load mixes short chats (class high) and long prompts (class low). Its capacity (requests/s) is measured first,
-closed-loop; then open-loop Poisson arrivals at a light load and at 1x and 2x of that capacity go to each model in
-turn, on the same arrival schedule. Reported per model, load and class: requests sent, done and refused (UNAVAILABLE),
-time to first token and latency p50 / p99, the longest wait before the first token.
+For each family two models are built from one checkpoint: `<family>_qos` (the default QoS settings) and
+`<family>_fifo` (cost weights zero, queues unbounded, every request in the default class: first come first served,
+what the engines did before QoS). The cheap kind of request is sent in class high, the heavy kind in class low. The
+mix's capacity (requests/s) is measured first, closed-loop; then open-loop Poisson arrivals at a light load and at 1x
+and 2x of that capacity go to each model in turn, on the same arrival schedule. Reported per model, load and class:
+requests sent, done and refused (UNAVAILABLE), time to first token (whisper: its whole answer) and latency p50 / p99,
+the longest wait before the first token.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,29 +26,46 @@ import tritonclient.grpc.aio as grpcclient
 
 from backends.server import TritonServer, free_port
 from build_engines.cli import main as build_engines
-from client.sdk import generation_inputs
+from client.sdk import generation_arrays, infer_inputs
 from perf.llm import StreamTiming, make_prompts, stream_one
 from perf.report import hardware_line, write_table
 
-MODELS = {"llm_qos": [], "llm_fifo": ["--qos-weights", "image=0,audio=0,text=0",
-                                      "--qos-max-queued", "high=1000000,normal=1000000,low=1000000",
-                                      "--qos-timeout-s", "high=1e9,normal=1e9,low=1e9"]}
+FIFO_FLAGS = ["--qos-weights", "image=0,audio=0,text=0", "--qos-max-queued", "high=1000000,normal=1000000,low=1000000",
+              "--qos-timeout-s", "high=1e9,normal=1e9,low=1e9"]
+# per family: flags of both models. vlm: no feature or prefix cache, so that every photo costs what a new one does (and
+# on a GPU, images decoded there: what a 4K photo needs); whisper: our batcher (Triton's dynamic batcher knows no QoS),
+# with its adaptive window
+FAMILY_FLAGS = {"llm": [], "vlm": ["--image-cache", "0", "--prefix-caching", "false"],
+                "whisper": ["--batch-window", "adaptive"]}
 HEADER = ["model", "load (x capacity)", "class", "sent", "done", "refused", "TTFT p50 ms", "TTFT p99 ms",
           "latency p50 ms", "latency p99 ms", "longest TTFT ms"]
+DISTINCT = 16  # different payloads of each kind, sent in turn
 
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of request in the mix."""
+    """One kind of request in a family's mix."""
 
     name: str
     qos_class: str
-    input_tokens: int
-    output_tokens: int
     share: float
+    output_tokens: int
+    input_tokens: int = 0  # text prompt
+    image: tuple[int, int] | None = None  # width, height of a photo-like JPEG
+    audio_s: float = 0.0
+
+    def describe(self) -> str:
+        size = (f"{self.image[0]}x{self.image[1]} JPEG + {self.input_tokens} tokens" if self.image else
+                f"{self.audio_s:g} s of audio" if self.audio_s else f"{self.input_tokens} tokens")
+        return f"{self.name} ({self.qos_class}, {size} in / {self.output_tokens} out, {self.share:.0%})"
 
 
-MIX = [Kind("chat", "high", 16, 16, 0.2), Kind("long prompt", "low", 256, 32, 0.8)]
+MIXES = {
+    "llm": [Kind("chat", "high", 0.2, 16, 16), Kind("long prompt", "low", 0.8, 32, 256)],
+    "vlm": [Kind("small image", "high", 0.2, 16, 16, image=(336, 336)),
+            Kind("4K photo", "low", 0.8, 32, 16, image=(3840, 2160))],
+    "whisper": [Kind("short clip", "high", 0.2, 16, audio_s=5.0), Kind("long clip", "low", 0.8, 84, audio_s=28.0)],
+}
 
 
 @dataclass
@@ -53,15 +74,67 @@ class Sent:
     timing: StreamTiming
 
 
-async def send_schedule(url: str, model: str, schedule: list[tuple[float, Kind, str]], qos: bool) -> list[Sent]:
-    """Each (offset s, kind, prompt) sent at its offset from now on its own stream (open loop)."""
+def payloads(family: str, kind: Kind, checkpoint: Path, seed: int) -> list[dict[str, np.ndarray]]:
+    """`DISTINCT` request tensors of one kind (prompts, images and clips differ between them)."""
+    if family == "whisper":
+        from perf.whisper_bench import speech_like
+        return [{"audio": np.array([[speech_like(kind.audio_s, seed * 100 + i)]], dtype=object),
+                 "language": np.array([[b"en"]], dtype=object),
+                 "max_tokens": np.array([[kind.output_tokens]], dtype=np.int32)} for i in range(DISTINCT)]
+    from transformers import AutoTokenizer
+
+    from perf.inputs import photo_like
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = make_prompts(DISTINCT, kind.input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                           tokenizer.decode, seed=seed)
+    images = [None] * DISTINCT
+    if kind.image:
+        images = []
+        for i in range(DISTINCT):
+            buf = io.BytesIO()
+            photo_like(*kind.image, seed=seed * 100 + i).save(buf, "JPEG", quality=90)
+            images.append(buf.getvalue())
+    return [generation_arrays(prompt, kind.output_tokens, image=image, min_length=kind.output_tokens)
+            for prompt, image in zip(prompts, images)]
+
+
+async def send_one(client, family: str, model: str, arrays: dict[str, np.ndarray],
+                   parameters: dict | None) -> StreamTiming:
+    """One request; generating models stream (their first token timed), whisper answers once."""
+    inputs = infer_inputs(grpcclient, arrays)
+    if family != "whisper":
+        return await stream_one(client, model, inputs, parameters)
+    timing = StreamTiming(time.perf_counter(), [], "")
+    try:
+        result = await client.infer(model, inputs, parameters=parameters)
+        timing.text = result.as_numpy("text").reshape(-1)[0].decode()
+    except Exception as e:  # noqa: BLE001 - refusals are counted, other errors raised by class_rows
+        timing.error = str(e)
+    timing.ended = time.perf_counter()
+    timing.arrivals = [] if timing.error else [timing.ended]
+    return timing
+
+
+def poisson_schedule(rate: float, duration_s: float, mix: list[Kind], seed: int) -> list[tuple[float, Kind, int]]:
+    """(offset s, kind, payload index) of open-loop arrivals."""
+    rng = np.random.default_rng(seed)
+    shares = np.array([k.share for k in mix]) / sum(k.share for k in mix)
+    schedule, t = [], 0.0
+    while (t := t + rng.exponential(1 / rate)) < duration_s:
+        schedule.append((t, mix[rng.choice(len(mix), p=shares)], len(schedule) % DISTINCT))
+    return schedule
+
+
+async def send_schedule(url: str, family: str, model: str, schedule: list[tuple[float, Kind, int]],
+                        requests: dict[str, list[dict]], qos: bool) -> list[Sent]:
+    """Each item sent at its offset from now (open loop), with its class when `qos`."""
     client = grpcclient.InferenceServerClient(url)
     start = time.perf_counter()
 
-    async def one(offset: float, kind: Kind, prompt: str) -> Sent:
+    async def one(offset: float, kind: Kind, index: int) -> Sent:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        inputs = generation_inputs(grpcclient, prompt, kind.output_tokens, min_length=kind.output_tokens)
-        return Sent(kind, await stream_one(client, model, inputs, {"qos_class": kind.qos_class} if qos else None))
+        parameters = {"qos_class": kind.qos_class} if qos else None
+        return Sent(kind, await send_one(client, family, model, requests[kind.name][index], parameters))
 
     try:
         return await asyncio.gather(*(one(*item) for item in schedule))
@@ -69,33 +142,21 @@ async def send_schedule(url: str, model: str, schedule: list[tuple[float, Kind, 
         await client.close()
 
 
-def poisson_schedule(rate: float, duration_s: float, mix: list[Kind], prompts: dict[str, list[str]],
-                     seed: int) -> list[tuple[float, Kind, str]]:
-    rng = np.random.default_rng(seed)
-    shares = np.array([k.share for k in mix]) / sum(k.share for k in mix)
-    schedule, t = [], 0.0
-    while (t := t + rng.exponential(1 / rate)) < duration_s:
-        kind = mix[rng.choice(len(mix), p=shares)]
-        schedule.append((t, kind, prompts[kind.name][len(schedule) % len(prompts[kind.name])]))
-    return schedule
-
-
-def capacity(url: str, model: str, mix: list[Kind], prompts: dict[str, list[str]], concurrency: int,
-             requests: int) -> float:
-    """Requests/s of the mix, `concurrency` kept in flight (closed loop)."""
+def capacity(url: str, family: str, model: str, mix: list[Kind], requests: dict[str, list[dict]], concurrency: int,
+             count: int) -> float:
+    """Requests/s of the mix with `concurrency` kept in flight (closed loop)."""
     async def run() -> float:
         client = grpcclient.InferenceServerClient(url)
-        items = iter(poisson_schedule(1e6, requests / 1e6, mix, prompts, seed=1))
+        items = iter(poisson_schedule(1e6, count / 1e6, mix, seed=1))
 
         async def worker():
-            for _, kind, prompt in items:
-                inputs = generation_inputs(grpcclient, prompt, kind.output_tokens, min_length=kind.output_tokens)
-                timing = await stream_one(client, model, inputs)
+            for _, kind, index in items:
+                timing = await send_one(client, family, model, requests[kind.name][index], None)
                 assert timing.error is None, timing.error
         try:
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return requests / (time.perf_counter() - start)
+            return count / (time.perf_counter() - start)
         finally:
             await client.close()
     return asyncio.run(run())
@@ -109,7 +170,7 @@ def class_rows(model: str, load: float, sent: list[Sent], classes: list[str]) ->
         refused = [t for t in mine if t.error and "retry later" in t.error]  # backends/core/qos.py's refusals
         failed = [t for t in mine if t.error and t not in refused]
         if failed:
-            raise RuntimeError(f"{len(failed)} {qos_class} requests failed, first: {failed[0].error}")
+            raise RuntimeError(f"{len(failed)} {qos_class} requests to {model} failed, first: {failed[0].error}")
         ttft = np.array([t.arrivals[0] - t.sent for t in done] or [np.nan]) * 1e3
         latency = np.array([t.ended - t.sent for t in done] or [np.nan]) * 1e3
         rows.append([model, load, qos_class, len(mine), len(done), len(refused),
@@ -117,56 +178,77 @@ def class_rows(model: str, load: float, sent: list[Sent], classes: list[str]) ->
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.qos", description=__doc__)
-    parser.add_argument("--checkpoint", type=Path, help="LLM checkpoint (default: the tiny test model)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-batch", type=int, default=4, help="the engines' batch (small: queues form on CPU)")
-    parser.add_argument("--kv-cache-memory-mb", type=int, help="per engine (two share the device)")
-    parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="x capacity")
-    parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model")
-    parser.add_argument("--results", type=Path, default=Path("perf/results"))
-    parser.add_argument("--host", default="vm")
-    args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from build_engines.checkpoints import tiny_checkpoint
-    checkpoint = args.checkpoint or tiny_checkpoint("llm", Path(".checkpoints"))
-    repository = Path(tempfile.mkdtemp(prefix="qos-bench-"))
-    for name, extra in MODELS.items():
-        assert build_engines(["llm", "--checkpoint", str(checkpoint), "--repository", str(repository), "--name", name,
-                              "--device", args.device, "--max-batch", str(args.max_batch), *extra,
-                              *(["--kv-cache-memory-mb", str(args.kv_cache_memory_mb)] if args.kv_cache_memory_mb
-                                else [])]) == 0
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    mix = MIX
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    prompts = {k.name: make_prompts(32, k.input_tokens, encode, tokenizer.decode, seed=i) for i, k in enumerate(mix)}
-    rows, notes = [], []
-    with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-qos.log")) as server:
-        for model in MODELS:  # warm-up: each engine's first steps compile kernels
-            capacity(server.grpc_url, model, mix, prompts, 2 * args.max_batch, 16 * args.max_batch)
-        rate = capacity(server.grpc_url, "llm_fifo", mix, prompts, 2 * args.max_batch, 16 * args.max_batch)
-        print(f"capacity: {rate:.2f} requests/s", flush=True)
+def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple[list[list], list[str]]:
+    """Build `<family>_qos` and `<family>_fifo`, serve them, measure capacity, then every load on both."""
+    repository = Path(tempfile.mkdtemp(prefix=f"qos-bench-{family}-"))
+    models = {f"{family}_qos": [], f"{family}_fifo": FIFO_FLAGS}
+    for name, extra in models.items():
+        assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository), "--name", name,
+                              "--device", args.device, "--max-batch", str(args.max_batch), *FAMILY_FLAGS[family],
+                              *(["--precision", args.precision] if args.precision else []),
+                              *(["--preprocess-on-device", "true"] if family == "vlm" and args.device == "cuda" else []),
+                              *extra, *args.engine_flags,
+                              *(["--kv-cache-memory-mb", str(args.kv_cache_memory_mb)]
+                                if args.kv_cache_memory_mb and family != "whisper" else [])]) == 0
+    mix = MIXES[family]
+    requests = {k.name: payloads(family, k, checkpoint, seed=i) for i, k in enumerate(mix)}
+    concurrency = 2 * args.max_batch
+    rows = []
+    with TritonServer(repository, free_port(), free_port(), free_port(), Path(f"logs/bench-qos-{family}.log")) as server:
+        for model in models:  # warm-up: each engine's first steps compile kernels
+            capacity(server.grpc_url, family, model, mix, requests, concurrency, 8 * concurrency)
+        rate = capacity(server.grpc_url, family, f"{family}_fifo", mix, requests, concurrency, 8 * concurrency)
+        print(f"{family} capacity: {rate:.2f} requests/s", flush=True)
         for load in args.loads:
-            schedule = poisson_schedule(load * rate, args.duration_s, mix, prompts, seed=int(load * 1000))
-            for model in MODELS:
-                sent = asyncio.run(send_schedule(server.grpc_url, model, schedule, qos=model == "llm_qos"))
+            schedule = poisson_schedule(load * rate, args.duration_s, mix, seed=int(load * 1000))
+            for model in models:
+                sent = asyncio.run(send_schedule(server.grpc_url, family, model, schedule, requests,
+                                                 qos=model.endswith("_qos")))
                 rows += class_rows(model, load, sent, sorted({k.qos_class for k in mix}))
                 for row in rows[-len(mix):]:
                     print(" | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row), flush=True)
     by = {(r[0], r[1], r[2]): r for r in rows}
     light, heavy = min(args.loads), max(args.loads)
-    for model in MODELS:
+    notes = [f"`{family}`: capacity of the mix {rate:.2f} requests/s (closed loop, {concurrency} in flight); mix: "
+             f"{', '.join(k.describe() for k in mix)}; {checkpoint.name}."]
+    for model in models:
         p99 = by[model, heavy, "high"][9] / by[model, light, "high"][9]
         notes.append(f"`{model}`: high-class latency p99 at {heavy:g}x capacity = {p99:.2f}x its p99 at {light:g}x.")
-    notes.insert(0, f"Capacity of the mix: {rate:.2f} requests/s (closed loop, {2 * args.max_batch} in flight). "
-                    f"Mix: {', '.join(f'{k.name} ({k.qos_class}, {k.input_tokens} in / {k.output_tokens} out, {k.share:.0%})' for k in mix)}; "
-                    f"Poisson arrivals for {args.duration_s:g} s per load and model, the same schedule for both models. "
-                    f"Engines: max_batch {args.max_batch}, {checkpoint.name}. `llm_qos`: default QoS settings "
-                    "(aging bounds high 1 s / normal 5 s / low 30 s, queue limits 256 / 512 / 512); `llm_fifo`: "
-                    "cost weights 0, unbounded queues, no class sent (first come first served).")
-    write_table(args.results / args.host, "qos-mixed-load", HEADER, rows, hardware_line("2.51.0"), notes)
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.qos", description=__doc__)
+    parser.add_argument("--families", nargs="+", choices=sorted(MIXES), default=["llm", "vlm", "whisper"])
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="FAMILY=PATH",
+                        help="a family's checkpoint (default: its tiny test model)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--precision", help="build_engines --precision (default: its default for the family)")
+    parser.add_argument("--max-batch", type=int, default=4, help="the engines' batch (small: queues form on CPU)")
+    parser.add_argument("--kv-cache-memory-mb", type=int, help="per LLM engine (two share the device)")
+    parser.add_argument("--engine-flags", nargs=argparse.REMAINDER, default=[],
+                        help="more build_engines flags for every model (last on the line), e.g. --chunk-tokens 256")
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="x capacity")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model")
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default="vm")
+    args = parser.parse_args(argv)
+    from build_engines.checkpoints import tiny_checkpoint
+    checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
+    rows, notes = [], []
+    for family in args.families:
+        checkpoint = Path(checkpoints[family]) if family in checkpoints else tiny_checkpoint(family, Path(".checkpoints"))
+        family_rows, family_notes = run_family(family, checkpoint, args)
+        rows += family_rows
+        notes += family_notes
+    notes.append(f"Poisson arrivals for {args.duration_s:g} s per load and model, the same schedule for both models of "
+                 f"a family. Engines: max_batch {args.max_batch}"
+                 f"{', ' + ' '.join(args.engine_flags) if args.engine_flags else ''}. `*_qos`: default QoS settings "
+                 "(aging bounds high 1 s / normal 5 s / low 30 s, queue limits 256 / 512 / 512); `*_fifo`: cost "
+                 "weights 0, unbounded queues, no class sent (first come first served).")
+    notes.append(f"Command: `python -m perf.qos {' '.join(sys.argv[1:] if argv is None else argv)}`.")
+    scenario = "qos-mixed-load" + ("" if set(args.families) == set(MIXES) else "-" + "-".join(args.families))
+    write_table(args.results / args.host, scenario, HEADER, rows, hardware_line("2.51.0"), notes)
     print("\n".join(notes))
     return 0
 

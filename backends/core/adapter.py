@@ -25,7 +25,7 @@ from backends.core.errors import InjectedFault, InvalidInput, NotFound, Unavaila
 from backends.core.inputs import Inputs, check_request_parameters
 from backends.core.metrics import CustomMetrics, QosMetrics
 from backends.core.params import Parameters
-from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, QosPolicy, read_qos_class
+from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, QosPolicy, QosPool, read_qos_class
 
 log = logging.getLogger(__name__)
 P = TypeVar("P", bound=Parameters)
@@ -134,11 +134,15 @@ class BatchedBackend(TritonBackend[P]):
     parameters derive from backends.core.batcher.BatchingParams."""
 
     def setup(self) -> None:
-        self.pool = ThreadPoolExecutor(getattr(self.params, "prepare_threads", 4), thread_name_prefix=self.name)
+        threads = getattr(self.params, "prepare_threads", 4)
         self.batcher: Batcher | None = None
         if self.params.batch_window == "triton":
+            self.pool = ThreadPoolExecutor(threads, thread_name_prefix=self.name)
             self.load()
         else:
+            max_batch = max(1, self.model_config.get("max_batch_size", 1))
+            # requests prepared in QoS order too, at most a batch (and a round of the pool) ahead of the engine
+            self.pool = QosPool(threads, self.name, ahead=max_batch + threads)
             if "dynamic_batching" in self.model_config:
                 log.warning("%s: batch_window %s with Triton's dynamic batcher too: requests wait in both",
                             self.name, self.params.batch_window)
@@ -146,7 +150,7 @@ class BatchedBackend(TritonBackend[P]):
             self.qos_metrics = QosMetrics(self.pb, self.labels, CLASSES, REJECTIONS)
             self.batch_metrics = CustomMetrics(self.pb, self.labels, BATCHER_GAUGES, BATCHER_COUNTERS)
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
-            self.batcher = Batcher(self._run_jobs, max(1, self.model_config.get("max_batch_size", 1)), window,
+            self.batcher = Batcher(self._run_jobs, max_batch, window,
                                    name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics)
 
     def load(self) -> None:
@@ -227,7 +231,7 @@ class BatchedBackend(TritonBackend[P]):
         except Exception as e:
             answer(job, e)
             return
-        self.pool.submit(self._prepare_job, job, items, fault)
+        self.pool.submit(job.ticket, self._prepare_job, job, items, fault)
 
     def _prepare_job(self, job: Job, items: list[Any], fault: str | None) -> None:
         """On the pool: the request's items, its cost score, then its place in the batcher."""
@@ -243,6 +247,7 @@ class BatchedBackend(TritonBackend[P]):
 
     def _run_jobs(self, batch: list[Job]) -> list[Any]:
         """On the batcher thread: one engine call for the batch (failures isolated per request)."""
+        self.pool.kick()  # the batch's requests have started: room for more ahead of the engine
         outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
                                        {i: job.work[1] for i, job in enumerate(batch)})
         return [outputs[i] for i in range(len(batch))]

@@ -4,7 +4,9 @@ Triton's dynamic batcher holds a batch that is not full for its whole `max_queue
 coming: at concurrency 1 a 15 ms window adds 15 ms to every request. With `batch_window` adaptive or fixed, a model
 takes its requests from Triton as they arrive (its config has no dynamic batcher), answers each through its
 response sender, and batches them here:
-- waiting requests are taken in QoS order (backends.core.qos: class, then the aged cost score), at most `max_batch`;
+- waiting requests are taken in QoS order (backends.core.qos: class, then the aged cost score), at most `max_batch`,
+  all of the first one's class: a batch runs in lockstep until its slowest request is done, so a cheap request of
+  class high must not share one with a 4K image or half a minute of audio of class low;
 - a batch that is not full waits for more up to the window. `fixed`: always `batch_window_max_ms`. `adaptive`:
   additive increase, multiplicative decrease. It starts at zero and grows by a step (max / 8) whenever requests
   queued up meanwhile (two or more waiting when the engine is free) or a wait gathered some; it halves when a wait
@@ -176,7 +178,9 @@ class Batcher:
                 self._wait_for_more()
             now = time.monotonic()
             self._jobs.sort(key=lambda job: job.ticket.key(now))
-            batch, self._jobs = self._jobs[:self.max_batch], self._jobs[self.max_batch:]
+            rank = self._jobs[0].ticket.rank if self._jobs else None
+            batch = [job for job in self._jobs if job.ticket.rank == rank][:self.max_batch]
+            self._jobs = [job for job in self._jobs if not any(job is taken for taken in batch)]
         for job, error in expired:
             answer(job, error)
         return batch

@@ -8,13 +8,17 @@ size capped at its maximum) comes from its sizes after decoding. Waiting request
 2. then by class, and within a class by S - waited / max_wait_s (cheap first, the wait making up for the cost).
 A class holds at most `max_queued` waiting requests: one more is refused at once (UNAVAILABLE, with the reason), and a
 request that has waited `timeout_s` without starting is refused then, never left to time out at the client.
+Work queued for threads before that (decoding images and audio) starts in the same order (`QosPool`).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from backends.core.errors import InvalidInput, Unavailable
@@ -167,6 +171,70 @@ class QosPolicy:
         self.admission.enter(ticket)
         return ticket
 
+
+class QosPool:
+    """A thread pool that starts queued work in QoS order (each task's ticket, aged when a thread frees up) rather
+    than as submitted: a small image of class high does not wait behind 4K photos of class low queued before it.
+
+    With `ahead`, work runs at most that far ahead of its consumer: a task of class c starts only while fewer than
+    `ahead` tasks of class c or higher have run without their requests starting (their tickets still queued). Under
+    overload the requests that would wait anyway are not decoded early, so the CPU (and the device memory their images
+    would hold) stays with the requests being served; the consumer calls `kick` when requests start."""
+
+    def __init__(self, threads: int, name: str, ahead: int | None = None):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._queued: list[tuple[Ticket, int, Future, Callable, tuple]] = []
+        self._lock = threading.Lock()
+        self._order = itertools.count()  # ties: first submitted first
+        self.ahead = ahead
+        self._ran: list[Ticket] = []  # tickets of the tasks run whose requests have not started
+        self._parked = 0  # runs that found no task with room ahead
+
+    def submit(self, ticket: Ticket, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._queued.append((ticket, next(self._order), future, fn, args))
+        self._pool.submit(self._run_next)  # one run per task; each takes whichever task comes first by then
+        return future
+
+    def kick(self) -> None:
+        """Requests may have started: one parked run again for each task run ahead whose request has started."""
+        with self._lock:
+            running_ahead = len(self._ran)
+            self._ran = [t for t in self._ran if t.queued]
+            runs = min(self._parked, running_ahead - len(self._ran))
+            self._parked -= runs
+        for _ in range(runs):
+            self._pool.submit(self._run_next)
+
+    def _room(self, ticket: Ticket) -> bool:
+        return self.ahead is None or sum(t.rank <= ticket.rank for t in self._ran) < self.ahead
+
+    def _run_next(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            ready = [queued for queued in self._queued if self._room(queued[0])]
+            if not ready:
+                self._parked += 1
+                return
+            item = min(ready, key=lambda queued: (queued[0].key(now), queued[1]))
+            self._queued.remove(item)
+            if self.ahead is not None:
+                self._ran.append(item[0])
+        _, _, future, fn, args = item
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            with self._lock:
+                for _, _, future, _, _ in self._queued:
+                    future.cancel()
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 def read_qos_class(parameters: dict) -> str | None:
     """The `qos_class` request parameter (a string), taken out of `parameters`."""

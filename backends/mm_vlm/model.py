@@ -23,7 +23,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +32,7 @@ import torch
 from backends.core.adapter import inject
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
+from backends.core.qos import QosPool
 from backends.media import device_images
 from backends.media.images import ImagePreprocessor, decode_image
 from backends.mm_llm.model import EngineInput, Pending
@@ -70,7 +71,8 @@ class TritonPythonModel(LLMBackend):
         self.nvjpeg = self.on_device and device_images.nvjpeg_available(self.engine.device)
         log.info("images prepared %s", f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}"
                  if self.on_device else "on the CPU by Pillow, as transformers' processor")
-        self.pool = ThreadPoolExecutor(params.prepare_threads, thread_name_prefix="vlm-image")
+        # images decoded in QoS order, at most a batch (and a round of the pool) ahead of the engine
+        self.pool = QosPool(params.prepare_threads, "vlm-image", ahead=params.max_batch + params.prepare_threads)
         self.features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> visual features, LRU
         self.features_lock = threading.Lock()  # read by the image threads, written by the engine loop
 
@@ -81,7 +83,7 @@ class TritonPythonModel(LLMBackend):
             raise InvalidInput(f"the prompt has {count} image placeholders {self.placeholder!r} for one image")
         image = inputs.blob("image", "encoded image")
         prompt = prompt if count else f"{self.placeholder}\n{prompt}"  # no placeholder: image first
-        future = self.pool.submit(self.tile, image, self.engine.tokenizer(prompt)["input_ids"], pending.fault)
+        future = self.pool.submit(pending.ticket, self.tile, image, self.engine.tokenizer(prompt)["input_ids"], pending.fault)
         future.add_done_callback(lambda _: self.wake.set())
         return future
 
@@ -99,6 +101,10 @@ class TritonPythonModel(LLMBackend):
         else:
             tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)
         return PreparedImage(expand_placeholder(ids, self.placeholder_id, plan.num_image_tokens), key, tiles, plan)
+
+    def _admit(self) -> None:
+        self.pool.kick()  # the last step may have started requests: room for more images ahead of the engine
+        super()._admit()
 
     def engine_inputs(self, batch: list[Pending]) -> list[EngineInput | Exception]:
         prepared: list[PreparedImage | Exception] = []

@@ -1,5 +1,5 @@
-"""Our batcher: the adaptive window's rule, QoS order of waiting requests, full batches leave at once, a window
-that gathers, refusals at close and after a timeout, and a failing run answered for every job."""
+"""Our batcher: the adaptive window's rule, QoS order of waiting requests, one class per batch, full batches leave at
+once, a window that gathers, refusals at close and after a timeout, and a failing run answered for every job."""
 from __future__ import annotations
 
 import threading
@@ -83,11 +83,11 @@ def make_job(policy: QosPolicy, work, qos_class: str | None = None, score: float
     return Job(work, policy.admit(policy.ticket(qos_class, score)), answer), answered, result
 
 
-def busy_batcher(policy: QosPolicy, first: str):
-    """A one-request batcher whose engine is busy with the job `first` until `run.release` is set; jobs put
-    meanwhile wait. Returns the batcher, its Recorder and `first`'s (job, answered, result)."""
+def busy_batcher(policy: QosPolicy, first: str, max_batch: int = 1):
+    """A batcher whose engine is busy with the job `first` until `run.release` is set; jobs put meanwhile wait.
+    Returns the batcher, its Recorder and `first`'s (job, answered, result)."""
     run = Recorder(hold=True)
-    batcher = Batcher(run, max_batch=1, window=BatchWindow("adaptive", 0.015))
+    batcher = Batcher(run, max_batch=max_batch, window=BatchWindow("adaptive", 0.015))
     job = make_job(policy, first)
     batcher.put(job[0])
     assert run.entered.wait(5)
@@ -108,6 +108,19 @@ def test_waiting_requests_run_by_class_then_score():
     assert run.batches == [["first"], ["high"], ["normal-small"], ["normal-big"], ["low"]]
     assert jobs[0][2]["output"] == "out-low"
     assert all(s.queued == 0 for s in policy.admission.snapshot().values())
+
+
+
+def test_a_batch_holds_one_class():
+    policy = QosPolicy(QosParams())
+    batcher, run, _ = busy_batcher(policy, "first", max_batch=4)
+    jobs = [make_job(policy, name, name.split("-")[0]) for name in ("low-a", "high-a", "low-b", "high-b")]
+    for job, _, _ in jobs:
+        batcher.put(job)
+    run.release.set()
+    assert all(answered.wait(5) for _, answered, _ in jobs)
+    batcher.close()
+    assert run.batches == [["first"], ["high-a", "high-b"], ["low-a", "low-b"]]
 
 
 def test_a_full_batch_leaves_at_once_and_a_window_gathers_more():

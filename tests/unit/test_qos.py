@@ -2,13 +2,14 @@
 per-class queue limits, timeouts, and the reasons given when a request is refused."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from backends.core.errors import InvalidInput, Unavailable
 from backends.core.params import ParameterError
-from backends.core.qos import QosParams, QosPolicy, Ticket
+from backends.core.qos import QosParams, QosPolicy, QosPool, Ticket
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import tiny_checkpoint
@@ -172,3 +173,50 @@ def test_an_overdue_request_is_not_preempted_for_a_higher_class(engine):
     assert engine.scheduler.running == [normal] and normal.preemptions == 0
     run_to_end(engine)
     assert high.finish_reason == "length"
+
+
+def test_the_pool_starts_queued_work_by_class_and_hands_back_results_errors_and_cancellations():
+    pool = QosPool(1, "test-pool")
+    gate, holding, started = threading.Event(), threading.Event(), []
+
+    def hold() -> bool:  # takes the only thread while the rest queue
+        holding.set()
+        return gate.wait(5)
+
+    busy = pool.submit(POLICY.ticket("low"), hold)
+    assert holding.wait(5)
+    queued = [pool.submit(POLICY.ticket(name), started.append, name) for name in ("low", "normal", "high")]
+    failing = pool.submit(POLICY.ticket("low"), int, "not a number")
+    gate.set()
+    assert busy.result(timeout=5) is True
+    for future in queued:
+        future.result(timeout=5)
+    assert started == ["high", "normal", "low"]
+    assert isinstance(failing.exception(timeout=5), ValueError)
+    gate.clear(), holding.clear()
+    busy = pool.submit(POLICY.ticket("high"), hold)
+    assert holding.wait(5)
+    waiting = pool.submit(POLICY.ticket("high"), started.append, "never")
+    pool.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    assert waiting.cancelled() and busy.result(timeout=5) is True and "never" not in started
+
+
+def test_the_pool_runs_work_at_most_ahead_of_its_consumer_by_class():
+    policy = QosPolicy(QosParams())
+    pool = QosPool(2, "test-ahead", ahead=1)
+    lows = [policy.admit(policy.ticket("low")) for _ in range(2)]
+    ran = [pool.submit(ticket, str, "low") for ticket in lows]
+    assert ran[0].result(timeout=5) == "low"
+    time.sleep(0.2)
+    assert not ran[1].done()  # one low ran and its request has not started: the second waits
+    high = policy.admit(policy.ticket("high"))
+    assert pool.submit(high, str, "high").result(timeout=5) == "high"  # lower classes never hold a higher one back
+    lows[0].start()
+    pool.kick()
+    time.sleep(0.2)
+    assert not ran[1].done()  # the high one ran ahead too and counts for every class below it
+    high.end()
+    pool.kick()
+    assert ran[1].result(timeout=5) == "low"
+    pool.shutdown()

@@ -230,10 +230,14 @@ class QosPool:
             future.set_exception(e)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        if cancel_futures:
-            with self._lock:
+        """Like ThreadPoolExecutor's; the tasks still queued are cancelled, or else all run (none is left parked)."""
+        with self._lock:
+            if cancel_futures:
                 for _, _, future, _, _ in self._queued:
                     future.cancel()
+            self.ahead, parked, self._parked = None, self._parked, 0
+        for _ in range(parked):
+            self._pool.submit(self._run_next)
         self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 def read_qos_class(parameters: dict) -> str | None:

@@ -240,6 +240,7 @@ class QosPool:
             self._pool.submit(self._run_next)
         self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
+
 def read_qos_class(parameters: dict) -> str | None:
     """The `qos_class` request parameter (a string), taken out of `parameters`."""
     value = parameters.pop(QOS_PARAMETER, None)

@@ -87,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="dynamically batched models (vit, clip_*, whisper): the QoS classes as Triton priority "
                         "levels 1-3 with per-level queue limits and timeouts (in Triton 2.51 this adds ~0.36 s to "
                         "the p99 latency: README)")
+    parser.add_argument("--ensemble", action="store_true",
+                        help="vit, clip: serve the image encoder as a Triton ensemble of <name>_preprocess (decode, "
+                        "resize, normalise on CPU instances) and <name>_encoder (the engine, dynamically batched); "
+                        "clients call <name> as before")
+    parser.add_argument("--preprocess-instances", type=int, default=2,
+                        help="with --ensemble: CPU instances of the preprocessing step")
     tuning = parser.add_argument_group("backend parameters (written to config.pbtxt, checked by the backend's schema)")
     for name, families in sorted(schema_fields().items()):
         tuning.add_argument("--" + name.replace("_", "-"), dest=f"param_{name}", metavar="VALUE",
@@ -111,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "--kv-cache-dtype fp8")
     if args.calibration and not args.calibration.is_file():
         parser.error(f"--calibration {args.calibration}: no such text file")
+    if args.ensemble and args.model not in ("vit", "clip"):
+        parser.error("--ensemble is for the image encoders (vit, clip)")
     if args.pretrained and PRETRAINED[args.pretrained].family != args.model:
         parser.error(f"--pretrained {args.pretrained} is a {PRETRAINED[args.pretrained].family} model, not {args.model}")
     if args.checkpoint and args.checkpoint.suffix == ".gguf":
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_batch_size, args.max_queue_delay_us, args.instances, args.device,
                             args.execution_env, args.prepare_threads, args.force, args.name, args.overrides,
                             args.calibration, args.fp8_activations, args.kv_cache_dtype, args.fp8_rounding,
-                            args.priority_levels)
+                            args.priority_levels, args.ensemble, args.preprocess_instances)
         try:
             FAMILIES[family](opts)
         except (RuntimeError, ValueError) as exc:  # unavailable runtime, failed verification, bad parameter: one line

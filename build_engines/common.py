@@ -25,7 +25,8 @@ from build_engines.export import (
     tensorrt_unavailable,
     verify,
 )
-from build_engines.repository import PythonModelConfig, execution_env, write_engine_metadata, write_model
+from build_engines.repository import (EnsembleConfig, PythonModelConfig, execution_env, write_engine_metadata,
+                                      write_model)
 
 BACKENDS = Path(__file__).resolve().parents[1] / "backends"
 # where the backends' parameter schemas live: the configs written depend on them as on the builder's own code
@@ -56,6 +57,8 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"  # fp8: "fp8" stores the KV cache in E4M3 (calibrated scales)
     fp8_rounding: str = "gptq"  # fp8: GPTQ's error feedback over the calibration prompts, or "nearest"
     priority_levels: bool = False  # dynamically batched models: the QoS classes as Triton priority levels
+    ensemble: bool = False  # vit, clip_vision: an ensemble of a preprocessing model and the encoder model
+    preprocess_instances: int = 2  # CPU instances of an ensemble's preprocessing model
 
     def model_name(self, default: str) -> str:
         return self.name or default
@@ -80,9 +83,10 @@ class BuildOptions:
         values.update(self.overrides)
         return schema.from_config(values)
 
-    def write(self, config: PythonModelConfig, warmup: bytes | None = None) -> Path:
+    def write(self, config: PythonModelConfig | EnsembleConfig, warmup: bytes | None = None) -> Path:
         """config.pbtxt (with this build's EXECUTION_ENV_PATH) and warm-up data into the model's folder."""
-        config.execution_env = execution_env(self.execution_env, self.repository / config.name)
+        if isinstance(config, PythonModelConfig):
+            config.execution_env = execution_env(self.execution_env, self.repository / config.name)
         return write_model(self.repository, config, warmup)
 
 

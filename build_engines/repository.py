@@ -50,13 +50,7 @@ class PythonModelConfig:
 
     def render(self) -> str:
         config = mc.ModelConfig(name=self.name, backend=self.backend, max_batch_size=self.max_batch_size)
-        for spec, tensors in ((config.input, self.inputs), (config.output, self.outputs)):
-            for t in tensors:
-                added = spec.add(name=t.name, data_type=TYPES[t.dtype], dims=t.dims)
-                if t.label_filename:
-                    added.label_filename = t.label_filename
-                if t.optional:
-                    added.optional = True
+        add_tensors(config, self.inputs, self.outputs)
         # a model batched by our own batcher (backends.core.batcher) takes requests as they come
         if self.max_queue_delay_us is not None and getattr(self.parameters, "batch_window", "triton") == "triton":
             config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
@@ -77,6 +71,37 @@ class PythonModelConfig:
             entry.dims.extend(self.inputs[0].dims)
             entry.input_data_file = self.warmup_file
         return text_format.MessageToString(config)
+
+
+@dataclass
+class EnsembleConfig:
+    """A Triton ensemble: `steps` run in order, each (model, {its input: ensemble tensor}, {its output: ensemble
+    tensor}); clients call it by `name` with the same tensors as a single model."""
+
+    name: str
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    steps: list[tuple[str, dict[str, str], dict[str, str]]]
+    max_batch_size: int = 64
+
+    def render(self) -> str:
+        config = mc.ModelConfig(name=self.name, platform="ensemble", max_batch_size=self.max_batch_size)
+        add_tensors(config, self.inputs, self.outputs)
+        for model, inputs, outputs in self.steps:
+            step = config.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+            step.input_map.update(inputs)
+            step.output_map.update(outputs)
+        return text_format.MessageToString(config)
+
+
+def add_tensors(config: mc.ModelConfig, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+    for spec, tensors in ((config.input, inputs), (config.output, outputs)):
+        for t in tensors:
+            added = spec.add(name=t.name, data_type=TYPES[t.dtype], dims=t.dims)
+            if t.label_filename:
+                added.label_filename = t.label_filename
+            if t.optional:
+                added.optional = True
 
 
 def priority_queues(batching, params: QosParams = QosParams()) -> None:
@@ -121,7 +146,7 @@ def execution_env(choice: str, model_folder: Path) -> str | None:
     return str(Path(choice).resolve())
 
 
-def write_model(repository: Path, config: PythonModelConfig, warmup: bytes | None = None) -> Path:
+def write_model(repository: Path, config: PythonModelConfig | EnsembleConfig, warmup: bytes | None = None) -> Path:
     folder = repository / config.name
     (folder / "1").mkdir(parents=True, exist_ok=True)
     if warmup is not None:

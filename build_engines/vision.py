@@ -3,6 +3,7 @@ the `mm_encoder` backend, and the `clip` scoring pipeline (`mm_clip`)."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import torch
 
@@ -10,7 +11,7 @@ from backends.vision.clip import ClipParams
 from backends.vision.encoders import EncoderParams
 from build_engines.common import BATCH, BuildOptions, Progress, build_engine, instance_kind, up_to_date
 from build_engines.export import EngineSpec
-from build_engines.repository import PythonModelConfig, Tensor, sample_png
+from build_engines.repository import EnsembleConfig, PythonModelConfig, Tensor, sample_png
 
 
 class ViTLogits(torch.nn.Module):
@@ -71,21 +72,54 @@ def encoder_parameters(opts: BuildOptions) -> EncoderParams:
 
 
 def encoder_config(opts: BuildOptions, name: str, inputs: list[Tensor], outputs: list[Tensor],
-                   warmup_input: str) -> PythonModelConfig:
+                   warmup_input: str | None) -> PythonModelConfig:
     return PythonModelConfig(name, "mm_encoder", inputs, outputs, encoder_parameters(opts),
                              max_batch_size=opts.max_batch_size, max_queue_delay_us=opts.max_queue_delay_us,
                              instances=opts.instances, kind=instance_kind(opts), warmup_file=warmup_input,
                              priority_levels=opts.priority_levels)
 
 
+def engine_model(opts: BuildOptions, name: str) -> str:
+    """The model whose folder holds an image encoder's engine: itself, or with --ensemble its encoder step."""
+    return f"{name}_encoder" if opts.ensemble else name
+
+
+def write_image_encoder(opts: BuildOptions, name: str, processor, size: int, output: Tensor,
+                        labels: list[str] | None = None) -> None:
+    """config.pbtxt of an image encoder (`image` BYTES -> `output`), its engine already in `engine_model`'s folder:
+    one model, or with --ensemble the ensemble `name` of `name`_preprocess (CPU instances: decode, resize, normalise
+    -> `pixel_values`) and `name`_encoder (the engine, dynamically batched), the same tensors for clients."""
+    image, pixels = Tensor("image", "BYTES", [1]), Tensor("pixel_values", "FP32", [3, size, size])
+    preprocess, encoder = f"{name}_preprocess", engine_model(opts, name)
+    if labels:
+        (opts.repository / encoder / "labels.txt").write_text("\n".join(labels) + "\n")
+    if not opts.ensemble:
+        for stale in (preprocess, f"{name}_encoder"):  # the steps of an earlier ensemble build
+            shutil.rmtree(opts.repository / stale, ignore_errors=True)
+        opts.write(encoder_config(opts, name, [image], [output], "image"), sample_png())
+        return
+    processor.save_pretrained(opts.repository / preprocess / "1")
+    opts.write(PythonModelConfig(preprocess, "mm_encoder", [image], [pixels], encoder_parameters(opts),
+                                 max_batch_size=opts.max_batch_size, max_queue_delay_us=opts.max_queue_delay_us,
+                                 instances=opts.preprocess_instances, kind="KIND_CPU", warmup_file="image",
+                                 priority_levels=opts.priority_levels), sample_png())
+    opts.write(encoder_config(opts, encoder, [pixels], [output], None))
+    shutil.rmtree(opts.repository / name, ignore_errors=True)  # an earlier single model's artefacts
+    opts.write(EnsembleConfig(name, [image], [output], [(preprocess, {"image": "image"}, {"pixel_values": "pixels"}),
+                                                        (encoder, {"pixel_values": "pixels"},
+                                                         {output.name: output.name})], opts.max_batch_size))
+    if labels:
+        (opts.repository / name / "labels.txt").write_text("\n".join(labels) + "\n")
+
+
 def build_vit(opts: BuildOptions) -> None:
     from transformers import AutoImageProcessor, ViTForImageClassification
 
     name = opts.model_name("vit")
-    if up_to_date(opts, [name]):
+    if up_to_date(opts, [engine_model(opts, name)], name):
         return
     progress = Progress(name, 4)
-    version_dir = opts.repository / name / "1"
+    version_dir = opts.repository / engine_model(opts, name) / "1"
     with progress.step(f"loading {opts.checkpoint}"):
         model = ViTForImageClassification.from_pretrained(opts.checkpoint, dtype=torch.float32).eval()
         processor = AutoImageProcessor.from_pretrained(opts.checkpoint)
@@ -95,10 +129,9 @@ def build_vit(opts: BuildOptions) -> None:
     spec = EngineSpec(ViTLogits(model), image_inputs(size, size), {"pixel_values": {0: BATCH}}, ["logits"])
     build_engine(spec, version_dir, opts, progress)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    (opts.repository / name / "labels.txt").write_text("\n".join(labels) + "\n")
     with progress.step("writing config.pbtxt"):
-        opts.write(encoder_config(opts, name, [Tensor("image", "BYTES", [1])],
-                                  [Tensor("logits", "FP32", [len(labels)], "labels.txt")], "image"), sample_png())
+        write_image_encoder(opts, name, processor, size, Tensor("logits", "FP32", [len(labels)], "labels.txt"),
+                            labels)
 
 
 def build_clip(opts: BuildOptions) -> None:
@@ -107,7 +140,7 @@ def build_clip(opts: BuildOptions) -> None:
 
     if opts.name:
         raise RuntimeError("clip builds three models with fixed names (clip_vision, clip_text, clip): no --name")
-    names = ["clip_vision", "clip_text"]
+    names = [engine_model(opts, "clip_vision"), "clip_text"]
     if up_to_date(opts, names, "clip"):
         return
     progress = Progress("clip", 6)
@@ -130,8 +163,7 @@ def build_clip(opts: BuildOptions) -> None:
                             ["text_embeds"]), text_dir, opts, progress)
     dim = clip.config.projection_dim
     with progress.step("writing config.pbtxt for clip_vision, clip_text, clip"):
-        opts.write(encoder_config(opts, "clip_vision", [Tensor("image", "BYTES", [1])],
-                                  [Tensor("image_embeds", "FP32", [dim])], "image"), sample_png())
+        write_image_encoder(opts, "clip_vision", processor, size, Tensor("image_embeds", "FP32", [dim]))
         opts.write(encoder_config(opts, "clip_text", [Tensor("text", "BYTES", [1])],
                                   [Tensor("text_embeds", "FP32", [dim])], "text"), b"a photo of a cat")
         pipeline = opts.parameters(ClipParams, logit_scale=math.exp(clip.logit_scale.item()),

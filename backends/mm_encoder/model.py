@@ -3,7 +3,9 @@ and `clip_text` (text -> embedding). Which one a model runs follows from its con
 CLIP text encoder, an input holding images the image encoder; the output is the config's first output.
 
 Every item of every request of a dynamic batch is decoded and preprocessed on the instance's thread pool, each
-request validated on its own, then all good requests go through the engine as one batch.
+request validated on its own, then all good requests go through the engine as one batch. In an ensemble
+(`build_engines --ensemble`) an image encoder runs as two models of this backend: one whose output is
+`pixel_values` only prepares images, one whose input is `pixel_values` only runs the engine.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from backends.core.adapter import BatchedBackend
 from backends.core.inputs import Inputs
 from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder
 
+PIXELS = "pixel_values"  # the tensor between an ensemble's two steps
+
 
 class TritonPythonModel(BatchedBackend[EncoderParams]):
     Params = EncoderParams
@@ -22,10 +26,15 @@ class TritonPythonModel(BatchedBackend[EncoderParams]):
     def load(self) -> None:
         self.input_name = self.model_config["input"][0]["name"]
         self.output_name = self.model_config["output"][0]["name"]
-        kind = TextEncoder if self.input_name == "text" else ImageEncoder
-        self.encoder = kind(self.folder, self.params, self.device)
+        if self.input_name == "text":
+            self.encoder = TextEncoder(self.folder, self.params, self.device)
+            return
+        stage = "encode" if self.input_name == PIXELS else "preprocess" if self.output_name == PIXELS else "whole"
+        self.encoder = ImageEncoder(self.folder, self.params, self.device, stage)
 
-    def read(self, inputs: Inputs) -> list[bytes]:
+    def read(self, inputs: Inputs) -> list[bytes] | list[np.ndarray]:
+        if self.input_name == PIXELS:
+            return list(inputs.array(PIXELS))
         return inputs.items(self.input_name)
 
     def prepare(self, item: bytes) -> Any:

@@ -55,19 +55,26 @@ def load_engine(version_dir: Path, params: EncoderParams, device: str | None) ->
 
 
 class ImageEncoder:
-    """Encoded images -> one output tensor (logits or embeddings), batched across requests."""
+    """Encoded images -> one output tensor (logits or embeddings), batched across requests; or one stage of that
+    (`preprocess`: the normalised pixel tensors themselves; `encode`: pixel tensors in)."""
 
-    def __init__(self, version_dir: str | Path, params: EncoderParams = EncoderParams(), device: str | None = None):
+    def __init__(self, version_dir: str | Path, params: EncoderParams = EncoderParams(), device: str | None = None,
+                 stage: str = "whole"):
         """`device`: the instance's device when Triton placed it (else `params.device`)."""
         version_dir = Path(version_dir)
-        self.preprocess = ImagePreprocessor.from_json(version_dir / "preprocessor_config.json")
-        self.engine = load_engine(version_dir, params, device)
+        self.preprocess = ImagePreprocessor.from_json(version_dir / "preprocessor_config.json") \
+            if stage != "encode" else None
+        self.engine = load_engine(version_dir, params, device) if stage != "preprocess" else None
         self.max_pixels = params.max_pixels
 
-    def prepare_item(self, data: bytes) -> np.ndarray:
+    def prepare_item(self, data: bytes | np.ndarray) -> np.ndarray:
+        if self.preprocess is None:  # `encode`: a pixel tensor, shaped by the model's config
+            return np.asarray(data, dtype=np.float32)
         return self.preprocess(decode_image(data, self.max_pixels))
 
     def infer(self, batches: list[list[np.ndarray]]) -> list[np.ndarray]:
+        if self.engine is None:
+            return [np.stack(batch) for batch in batches]
         result = self.engine.run({"pixel_values": np.stack([x for batch in batches for x in batch])})
         (output,) = result.values()
         return split_rows(output, [len(b) for b in batches])

@@ -48,6 +48,28 @@ def test_a_model_batched_by_our_batcher_has_no_dynamic_batcher(window):
     assert config.parameters["batch_window"].string_value == window
 
 
+
+def test_an_ensemble_build_writes_its_steps_and_a_single_rebuild_removes_them(tmp_path, vit_checkpoint, capsys):
+    args = ["vit", "--checkpoint", str(vit_checkpoint), "--repository", str(tmp_path)]
+    assert build([*args, "--ensemble", "--preprocess-instances", "3"]) == 0
+    config = text_format.Parse((tmp_path / "vit" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert config.platform == "ensemble" and config.output[0].label_filename == "labels.txt"
+    assert [(s.model_name, dict(s.input_map), dict(s.output_map)) for s in config.ensemble_scheduling.step] == [
+        ("vit_preprocess", {"image": "image"}, {"pixel_values": "pixels"}),
+        ("vit_encoder", {"pixel_values": "pixels"}, {"logits": "logits"})]
+    preprocess = text_format.Parse((tmp_path / "vit_preprocess" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert preprocess.instance_group[0].count == 3 and preprocess.output[0].dims == [3, 224, 224]
+    assert (tmp_path / "vit_encoder" / "1" / "engine.json").exists() and (tmp_path / "vit" / "labels.txt").exists()
+    capsys.readouterr()
+    assert build([*args, "--ensemble", "--preprocess-instances", "3"]) == 0
+    assert "vit: up to date" in capsys.readouterr().out
+    assert build(args) == 0
+    assert not (tmp_path / "vit_preprocess").exists() and not (tmp_path / "vit_encoder").exists()
+    assert text_format.Parse((tmp_path / "vit" / "config.pbtxt").read_text(), mc.ModelConfig()).backend == "mm_encoder"
+    with pytest.raises(SystemExit):
+        build(["llm", "--ensemble"])
+
+
 def test_unknown_config_keys_are_rejected():
     with pytest.raises(ValueError):
         mc.ModelConfig(name="x", no_such_field=1)

@@ -1,0 +1,82 @@
+"""Image encoders served as Triton ensembles (`build_engines --ensemble`): a preprocessing model on CPU instances, then
+the encoder model; clients call the same name with the same tensors and get the transformers reference's outputs
+(also through the `clip` pipeline, which calls `clip_vision`), and INVALID_ARG naming the problem for a bad image,
+over HTTP and gRPC; perf_analyzer measures the ensemble."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backends.server import TritonServer, free_port
+from build_engines.cli import main as build_engines
+from client.sdk import Client
+from perf.analyzer import run_perf_analyzer
+from perf.inputs import model_input_data
+from tests.conftest import ROOT, encode, random_image
+from tests.integration import reference
+from tests.integration.reference import ATOL
+
+IMAGES = [encode(random_image(w, h, seed=i), fmt) for i, (w, h, fmt) in
+          enumerate([(224, 224, "PNG"), (640, 480, "JPEG"), (50, 1200, "PNG")])]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, vit_checkpoint, clip_checkpoint):
+    repository = tmp_path_factory.mktemp("ensembles")
+    for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint)):
+        assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository),
+                              "--ensemble"]) == 0
+    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-ensembles.log") as running:
+        yield running
+
+
+@pytest.fixture(params=["http", "grpc"])
+def client(request, server):
+    return Client(server.http_url if request.param == "http" else server.grpc_url, request.param)
+
+
+def test_the_encoders_are_ensembles_of_a_cpu_preprocessing_step_and_the_engine(server):
+    triton = grpcclient.InferenceServerClient(server.grpc_url)
+    for name in ("vit", "clip_vision"):
+        config = triton.get_model_config(name, as_json=True)["config"]
+        assert config["platform"] == "ensemble"
+        assert [step["model_name"] for step in config["ensemble_scheduling"]["step"]] == \
+            [f"{name}_preprocess", f"{name}_encoder"]
+        preprocess = triton.get_model_config(f"{name}_preprocess", as_json=True)["config"]
+        assert preprocess["instance_group"][0]["kind"] == "KIND_CPU" and preprocess["instance_group"][0]["count"] == 2
+        assert [o["name"] for o in preprocess["output"]] == ["pixel_values"]
+
+
+def test_ensemble_outputs_equal_the_reference(client, vit_checkpoint, clip_checkpoint):
+    expected = reference.vit_logits(vit_checkpoint, IMAGES)
+    for i, image in enumerate(IMAGES):
+        got = client.infer("vit", {"image": np.array([[image]], dtype=object)}, ["logits"])["logits"]
+        np.testing.assert_allclose(got[0], expected[i], atol=ATOL)
+    batched = client.infer("vit", {"image": np.array([[b] for b in IMAGES], dtype=object)}, ["logits"])["logits"]
+    np.testing.assert_allclose(batched, expected, atol=ATOL)
+    embeds = client.infer("clip_vision", {"image": np.array([[b] for b in IMAGES], dtype=object)},
+                          ["image_embeds"])["image_embeds"]
+    for got, image in zip(embeds, IMAGES):
+        np.testing.assert_allclose(got, reference.clip_outputs(clip_checkpoint, image, ["a"])[0][0], atol=ATOL)
+    texts = ["a photo of a cat", "dog"]  # the clip pipeline calls the clip_vision ensemble
+    scores, _ = client.similarity(IMAGES[1], texts)
+    np.testing.assert_allclose(scores, reference.clip_outputs(clip_checkpoint, IMAGES[1], texts)[2], atol=10 * ATOL)
+
+
+def test_a_bad_image_is_invalid_arg_naming_the_problem_and_the_ensemble_keeps_serving(client):
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("vit", {"image": np.array([[b"not an image"]], dtype=object)}, ["logits"])
+    assert str(info.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), info.value
+    assert "invalid input: image bytes" in info.value.message() and "Traceback" not in info.value.message()
+    assert client.infer("vit", {"image": np.array([[IMAGES[0]]], dtype=object)}, ["logits"])["logits"].shape == (1, 10)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzer_measures_the_ensemble(server, protocol, tmp_path):
+    url = server.http_url if protocol == "http" else server.grpc_url
+    points = run_perf_analyzer("vit", url, model_input_data("vit", tmp_path), tmp_path / "report.csv",
+                               concurrency="1:4:3", protocol=protocol, interval_ms=1500)
+    assert [p.load for p in points] == [1, 4]
+    assert all(p.throughput > 0 and p.p99_us >= p.p50_us > 0 for p in points)

@@ -58,7 +58,7 @@ def test_encoder_instances_run_on_their_own_device(pb, monkeypatch, model, input
     import backends.mm_encoder.model as mm_encoder
 
     created = []
-    monkeypatch.setattr(mm_encoder, encoder, lambda folder, params, device: created.append((params, device)))
+    monkeypatch.setattr(mm_encoder, encoder, lambda folder, params, device, *stage: created.append((params, device)))
     gpu = mm_encoder.TritonPythonModel()
     gpu.initialize(model_args(model, input_name, kind="GPU", device_id=1, runtime="torch"))
     cpu = mm_encoder.TritonPythonModel()

@@ -186,7 +186,8 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository), "--name", name,
                               "--device", args.device, "--max-batch", str(args.max_batch), *FAMILY_FLAGS[family],
                               *(["--precision", args.precision] if args.precision else []),
-                              *(["--preprocess-on-device", "true"] if family == "vlm" and args.device == "cuda" else []),
+                              *(["--preprocess-on-device", "true"]
+                                if family == "vlm" and args.device == "cuda" else []),
                               *extra, *args.engine_flags,
                               *(["--kv-cache-memory-mb", str(args.kv_cache_memory_mb)]
                                 if args.kv_cache_memory_mb and family != "whisper" else [])]) == 0
@@ -194,7 +195,8 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
     requests = {k.name: payloads(family, k, checkpoint, seed=i) for i, k in enumerate(mix)}
     concurrency = 2 * args.max_batch
     rows = []
-    with TritonServer(repository, free_port(), free_port(), free_port(), Path(f"logs/bench-qos-{family}.log")) as server:
+    log = Path(f"logs/bench-qos-{family}.log")
+    with TritonServer(repository, free_port(), free_port(), free_port(), log) as server:
         for model in models:  # warm-up: each engine's first steps compile kernels
             capacity(server.grpc_url, family, model, mix, requests, concurrency, 8 * concurrency)
         rate = capacity(server.grpc_url, family, f"{family}_fifo", mix, requests, concurrency, 8 * concurrency)
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     rows, notes = [], []
     for family in args.families:
-        checkpoint = Path(checkpoints[family]) if family in checkpoints else tiny_checkpoint(family, Path(".checkpoints"))
+        checkpoint = Path(checkpoints[family]) if family in checkpoints else \
+            tiny_checkpoint(family, Path(".checkpoints"))
         family_rows, family_notes = run_family(family, checkpoint, args)
         rows += family_rows
         notes += family_notes

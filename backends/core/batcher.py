@@ -178,9 +178,11 @@ class Batcher:
                 self._wait_for_more()
             now = time.monotonic()
             self._jobs.sort(key=lambda job: job.ticket.key(now))
-            rank = self._jobs[0].ticket.rank if self._jobs else None
-            batch = [job for job in self._jobs if job.ticket.rank == rank][:self.max_batch]
-            self._jobs = [job for job in self._jobs if not any(job is taken for taken in batch)]
+            batch, rest = [], []
+            for job in self._jobs:  # the first job's class, up to max_batch, in order
+                same = job.ticket.rank == self._jobs[0].ticket.rank and len(batch) < self.max_batch
+                (batch if same else rest).append(job)
+            self._jobs = rest
         for job, error in expired:
             answer(job, error)
         return batch

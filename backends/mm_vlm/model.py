@@ -83,7 +83,8 @@ class TritonPythonModel(LLMBackend):
             raise InvalidInput(f"the prompt has {count} image placeholders {self.placeholder!r} for one image")
         image = inputs.blob("image", "encoded image")
         prompt = prompt if count else f"{self.placeholder}\n{prompt}"  # no placeholder: image first
-        future = self.pool.submit(pending.ticket, self.tile, image, self.engine.tokenizer(prompt)["input_ids"], pending.fault)
+        future = self.pool.submit(pending.ticket, self.tile, image, self.engine.tokenizer(prompt)["input_ids"],
+                                  pending.fault)
         future.add_done_callback(lambda _: self.wake.set())
         return future
 

@@ -28,7 +28,8 @@ def server(tmp_path_factory, vit_checkpoint, clip_checkpoint):
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository),
                               "--ensemble"]) == 0
-    with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-ensembles.log") as running:
+    log = ROOT / "logs" / "test-ensembles.log"
+    with TritonServer(repository, free_port(), free_port(), free_port(), log) as running:
         yield running
 
 

@@ -248,14 +248,18 @@ class BatchedBackend(TritonBackend[P]):
     def _run_jobs(self, batch: list[Job]) -> list[Any]:
         """On the batcher thread: one engine call for the batch (failures isolated per request)."""
         self.pool.kick()  # the batch's requests have started: room for more ahead of the engine
+        self._update_qos_metrics()  # clients see a request start (qos_admitted_total) before it ends
         outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
                                        {i: job.work[1] for i, job in enumerate(batch)})
         return [outputs[i] for i in range(len(batch))]
 
-    def _update_metrics(self) -> None:
-        """On the batcher thread, after a batch's responses."""
+    def _update_qos_metrics(self) -> None:
         admission = self.qos.admission
         self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
+
+    def _update_metrics(self) -> None:
+        """On the batcher thread, after a batch's responses."""
+        self._update_qos_metrics()
         self.batch_metrics.update({"batcher_window_seconds": self.batcher.window.current_s},
                                   {"batcher_batches_total": self.batcher.batches,
                                    "batcher_requests_total": self.batcher.requests})

@@ -166,19 +166,15 @@ def infer_task(client, model: str, tensors: dict[str, np.ndarray], qos_class: st
 async def heavy_burst(server, model: str, heavy: list[dict], light: dict,
                       running_s: float) -> tuple[list, object, object]:
     """Three heavy low-class requests (one runs, two wait: the low queue is full), then one more low one and a
-    light high one. The first one has started `running_s` after the model took it (a large request takes a while
-    to reach the model on a busy machine) and still runs 0.1 s later."""
+    light high one. The first one has started `running_s` after the model started it (a large request takes a
+    while to reach the engine on a busy machine) and still runs 0.1 s later."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
-
-    async def taken() -> int:  # requests the model's `execute` has taken (admitted to our queue)
-        stats = await client.get_inference_statistics(model, as_json=True)
-        return int(stats["model_stats"][0].get("inference_count", 0))
     try:
-        before = await taken()
+        before = value(metrics(server), "qos_admitted_total", model=model, qos_class="low")
         lows = [infer_task(client, model, heavy[0], "low")]
         deadline = time.monotonic() + 30
-        while await taken() == before:
-            assert time.monotonic() < deadline, f"{model} never took the first request"
+        while value(metrics(server), "qos_admitted_total", model=model, qos_class="low") == before:
+            assert time.monotonic() < deadline, f"{model} never started the first request"
             await asyncio.sleep(0.01)
         await asyncio.sleep(running_s)
         lows += [infer_task(client, model, tensors, "low") for tensors in heavy[1:3]]

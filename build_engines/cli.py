@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "resize, normalise on CPU instances) and <name>_encoder (the engine, dynamically batched); "
                         "clients call <name> as before")
     parser.add_argument("--preprocess-instances", type=int, default=2,
-                        help="with --ensemble: CPU instances of the preprocessing step")
+                        help="with --ensemble: instances of the preprocessing step (CPU ones, or with "
+                        "--preprocess-on-device true on --device)")
     tuning = parser.add_argument_group("backend parameters (written to config.pbtxt, checked by the backend's schema)")
     for name, families in sorted(schema_fields().items()):
         tuning.add_argument("--" + name.replace("_", "-"), dest=f"param_{name}", metavar="VALUE",

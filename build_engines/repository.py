@@ -47,6 +47,7 @@ class PythonModelConfig:
     warmup_file: str | None = None  # a file under <model>/warmup/ holding one serialized BYTES element
     decoupled: bool = False  # streaming: any number of responses per request (gRPC streaming and HTTP SSE)
     priority_levels: bool = False  # the QoS classes as the dynamic batcher's priority levels (costs latency: README)
+    gpu_inputs: bool = False  # inputs reach the model where they are (GPU tensors from an ensemble step stay there)
 
     def render(self) -> str:
         config = mc.ModelConfig(name=self.name, backend=self.backend, max_batch_size=self.max_batch_size)
@@ -62,6 +63,8 @@ class PythonModelConfig:
         parameters = self.parameters.to_config()
         if self.execution_env:
             parameters["EXECUTION_ENV_PATH"] = self.execution_env
+        if self.gpu_inputs:
+            parameters["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         for key, value in sorted(parameters.items()):
             config.parameters[key].string_value = value
         if self.warmup_file:

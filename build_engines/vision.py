@@ -72,11 +72,11 @@ def encoder_parameters(opts: BuildOptions) -> EncoderParams:
 
 
 def encoder_config(opts: BuildOptions, name: str, inputs: list[Tensor], outputs: list[Tensor],
-                   warmup_input: str | None) -> PythonModelConfig:
+                   warmup_input: str | None, gpu_inputs: bool = False) -> PythonModelConfig:
     return PythonModelConfig(name, "mm_encoder", inputs, outputs, encoder_parameters(opts),
                              max_batch_size=opts.max_batch_size, max_queue_delay_us=opts.max_queue_delay_us,
                              instances=opts.instances, kind=instance_kind(opts), warmup_file=warmup_input,
-                             priority_levels=opts.priority_levels)
+                             priority_levels=opts.priority_levels, gpu_inputs=gpu_inputs)
 
 
 def engine_model(opts: BuildOptions, name: str) -> str:
@@ -87,8 +87,9 @@ def engine_model(opts: BuildOptions, name: str) -> str:
 def write_image_encoder(opts: BuildOptions, name: str, processor, size: int, output: Tensor,
                         labels: list[str] | None = None) -> None:
     """config.pbtxt of an image encoder (`image` BYTES -> `output`), its engine already in `engine_model`'s folder:
-    one model, or with --ensemble the ensemble `name` of `name`_preprocess (CPU instances: decode, resize, normalise
-    -> `pixel_values`) and `name`_encoder (the engine, dynamically batched), the same tensors for clients."""
+    one model, or with --ensemble the ensemble `name` of `name`_preprocess (decode, resize, normalise ->
+    `pixel_values`: CPU instances, or with --preprocess-on-device true instances on --device whose pixel tensors
+    stay on the GPU) and `name`_encoder (the engine, dynamically batched), the same tensors for clients."""
     image, pixels = Tensor("image", "BYTES", [1]), Tensor("pixel_values", "FP32", [3, size, size])
     preprocess, encoder = f"{name}_preprocess", engine_model(opts, name)
     if labels:
@@ -99,11 +100,13 @@ def write_image_encoder(opts: BuildOptions, name: str, processor, size: int, out
         opts.write(encoder_config(opts, name, [image], [output], "image"), sample_png())
         return
     processor.save_pretrained(opts.repository / preprocess / "1")
+    on_device = encoder_parameters(opts).preprocess_on_device
     opts.write(PythonModelConfig(preprocess, "mm_encoder", [image], [pixels], encoder_parameters(opts),
                                  max_batch_size=opts.max_batch_size, max_queue_delay_us=opts.max_queue_delay_us,
-                                 instances=opts.preprocess_instances, kind="KIND_CPU", warmup_file="image",
+                                 instances=opts.preprocess_instances,
+                                 kind=instance_kind(opts) if on_device else "KIND_CPU", warmup_file="image",
                                  priority_levels=opts.priority_levels), sample_png())
-    opts.write(encoder_config(opts, encoder, [pixels], [output], None))
+    opts.write(encoder_config(opts, encoder, [pixels], [output], None, gpu_inputs=on_device))
     shutil.rmtree(opts.repository / name, ignore_errors=True)  # an earlier single model's artefacts
     opts.write(EnsembleConfig(name, [image], [output], [(preprocess, {"image": "image"}, {"pixel_values": "pixels"}),
                                                         (encoder, {"pixel_values": "pixels"},

@@ -11,10 +11,14 @@ from backends.vision.encoders import EncoderParams, ImageEncoder, TextEncoder, p
 
 
 def in_process_throughput(version_dir: Path, params: EncoderParams, items: list[bytes], batch: int,
-                          seconds: float = 3.0) -> float:
+                          seconds: float = 3.0, preprocessor_dir: Path | None = None) -> float:
     """Items/s of prepare + infer over `batch`-sized groups cycling through all `items` (as perf_analyzer cycles
-    through its input data), for about `seconds`."""
-    encoder = (TextEncoder if (version_dir / "tokenizer").exists() else ImageEncoder)(version_dir, params)
+    through its input data), for about `seconds`. `preprocessor_dir`: an ensemble's preprocessing step, whose
+    folder holds the image processor the engine's does not."""
+    if (version_dir / "tokenizer").exists():
+        encoder = TextEncoder(version_dir, params)
+    else:
+        encoder = ImageEncoder(version_dir, params, preprocessor_dir=preprocessor_dir)
     pool = ThreadPoolExecutor(params.prepare_threads)  # as the backend does
     stream = itertools.cycle(items)
 

@@ -32,7 +32,11 @@
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
 #   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
 #   ("llm vlm"): llm on Llama-3-8B shapes, vlm on LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes (random bf16);
-#   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10")
+#   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10");
+#   "ensembles": perf.ensemble_bench for each of MODELS, one run: the single model beside the ensemble with CPU
+#   preprocessing (ENSEMBLE_INSTANCES, 4, instances x nproc threads) and with preprocessing on the GPU (2 instances),
+#   ViT-B/16-224 fp16 / CLIP ViT-L/14-336 bf16 as in "images"; ENSEMBLE_ARGS: more arguments, e.g. "--image-sets
+#   thumbnails --concurrency 16 64")
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -88,6 +92,26 @@ if [[ " ${SCENARIOS:-images} " == *" images "* ]]; then
   # shellcheck disable=SC2086
   "$py" -m perf --models ${MODELS:-vit clip_vision} --image-sets ${IMAGE_SETS:-mixed thumbnails} \
     --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-1500}" --skip-batching-study --skip-llm
+fi
+if [[ " ${SCENARIOS:-images} " == *" ensembles "* ]]; then
+  variants=()
+  for variant in single ensemble device; do
+    repo="$WORK/ensembles/$variant" flags=()
+    [ "$variant" = ensemble ] && flags=(--ensemble --preprocess-instances "${ENSEMBLE_INSTANCES:-4}")
+    [ "$variant" = device ] && flags=(--ensemble --preprocess-instances 2 --preprocess-on-device true)
+    for model in ${MODELS:-vit clip_vision}; do
+      case "$model" in
+        vit) "${build[@]}" vit --random-init vit-b16-224 --runtime torch --precision fp16 --device cuda \
+               --repository "$repo" "${flags[@]}" ;;
+        clip_vision) "${build[@]}" clip --random-init clip-vit-l14-336 --runtime torch --precision bf16 --device cuda \
+               --repository "$repo" "${flags[@]}" ;;
+      esac
+    done
+    variants+=(--variant "$variant=$repo")
+  done
+  # shellcheck disable=SC2086
+  "$py" -m perf.ensemble_bench "${variants[@]}" --models ${MODELS:-vit clip_vision} --results "$results" \
+    --host "${HOST:-gpu}" --concurrency 16 64 256 ${ENSEMBLE_ARGS:-}
 fi
 if [[ " ${SCENARIOS:-images} " == *" llm "* ]]; then
   "${build[@]}" llm --tiny --precision bf16 --device cuda

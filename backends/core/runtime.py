@@ -5,7 +5,8 @@
     model.plan -> TensorRT (only where the tensorrt module and a GPU exist)
 
 `load_runtime` picks from the artefacts present unless the model config names a runtime. Every runtime takes and
-returns numpy float32/int64 arrays so model classes never care which engine ran.
+returns numpy float32/int64 arrays so model classes never care which engine ran;
+the torch and TensorRT runtimes also take torch tensors, which may already be on their device.
 """
 from __future__ import annotations
 
@@ -80,13 +81,18 @@ class TorchRuntime(Runtime):
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self.torch
-        args = [torch.from_numpy(np.ascontiguousarray(feeds[name])).to(self.device, dtype)
+        args = [as_tensor(torch, feeds[name]).to(self.device, dtype)
                 for name, dtype in zip(self.input_names, self.input_dtypes)]
         with torch.inference_mode():
             outputs = self.module(*args)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         # contiguous on the device: exported programs may return permuted strides, which numpy would gather on the CPU
         return {n: o.float().contiguous().cpu().numpy() for n, o in zip(self.output_names, outputs)}
+
+
+def as_tensor(torch, value):
+    """A numpy array or a torch tensor (already on a device, e.g. from an ensemble's GPU step) as a torch tensor."""
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
 
 
 class TensorRTRuntime(Runtime):
@@ -120,7 +126,7 @@ class TensorRTRuntime(Runtime):
         keep = []
         for name in self.inputs:
             dtype = self.torch_dtype(name)
-            tensor = torch.from_numpy(np.ascontiguousarray(feeds[name])).to("cuda", dtype)
+            tensor = as_tensor(torch, feeds[name]).to("cuda", dtype)
             self.context.set_input_shape(name, tuple(tensor.shape))
             self.context.set_tensor_address(name, tensor.data_ptr())
             keep.append(tensor)

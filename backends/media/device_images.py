@@ -1,4 +1,5 @@
-"""AnyRes preprocessing on the model's device: decode (nvJPEG on CUDA), resize, pad, tile and normalise with torch.
+"""Image preprocessing on the model's device: decode (nvJPEG on CUDA), resize, crop or pad and tile, normalise with
+torch; AnyRes tiles for `vlm`, one pixel tensor for the image encoders (`vit`, `clip_vision`).
 
 Why: for a 4K photo the CPU path (Pillow decode, then two antialiased bicubic resizes from 8 million pixels) costs
 more than the vision tower and the prefill together. On a GPU, torchvision's nvJPEG decode and torch's antialiased
@@ -80,11 +81,41 @@ def anyres_tiles(tiler: AnyResTiler, pixels: torch.Tensor, preprocess: ImagePrep
     tiles = canvas.reshape(3, rows, t, cols, t).permute(1, 3, 0, 2, 4).reshape(-1, 3, t, t)
     size = preprocess.size
     thumb = (size["height"], size["width"]) if "height" in size else (size["shortest_edge"],) * 2
-    out = torch.cat([resize(image, thumb, preprocess.resample), tiles])
+    return normalise(torch.cat([resize(image, thumb, preprocess.resample), tiles]), preprocess), plan
+
+
+def pixel_values(pixels: torch.Tensor, preprocess: ImagePreprocessor) -> torch.Tensor:
+    """uint8 [3, H, W] -> float32 [3, h, w] on its device: ImagePreprocessor's resize, center crop, rescale and
+    normalise, in torch."""
+    if preprocess.resample not in TORCH_MODES:
+        raise ValueError(f"resample {preprocess.resample} has no torch equivalent; use the CPU path")
+    image = pixels[None].float()
+    if preprocess.do_resize:
+        image = resize(image, preprocess.resized_size(*pixels.shape[1:]), preprocess.resample)
+    if preprocess.do_center_crop and preprocess.crop_size:
+        image = center_crop(image, preprocess.crop_size["height"], preprocess.crop_size["width"])
+    return normalise(image, preprocess)[0]
+
+
+def center_crop(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[N, C, H, W] cropped around the center as transformers' center_crop (zero-padded where the image is
+    smaller)."""
+    h, w = image.shape[2:]
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0:
+        return image[..., top:top + height, left:left + width]
+    canvas = image.new_zeros(*image.shape[:2], max(h, height), max(w, width))
+    pad_top, pad_left = -(-(canvas.shape[2] - h) // 2), -(-(canvas.shape[3] - w) // 2)  # rounded up, as there
+    canvas[..., pad_top:pad_top + h, pad_left:pad_left + w] = image
+    return center_crop(canvas, height, width)
+
+
+def normalise(out: torch.Tensor, preprocess: ImagePreprocessor) -> torch.Tensor:
+    """Float pixels holding 0..255 -> rescaled and normalised as the processor says."""
     if preprocess.do_rescale:
-        out *= preprocess.rescale_factor
+        out = out * preprocess.rescale_factor
     if preprocess.do_normalize:
         mean = torch.tensor(preprocess.image_mean, device=out.device)[:, None, None]
         std = torch.tensor(preprocess.image_std, device=out.device)[:, None, None]
         out = (out - mean) / std
-    return out, plan
+    return out

@@ -5,7 +5,9 @@ CLIP text encoder, an input holding images the image encoder; the output is the 
 Every item of every request of a dynamic batch is decoded and preprocessed on the instance's thread pool, each
 request validated on its own, then all good requests go through the engine as one batch. In an ensemble
 (`build_engines --ensemble`) an image encoder runs as two models of this backend: one whose output is
-`pixel_values` only prepares images, one whose input is `pixel_values` only runs the engine.
+`pixel_values` only prepares images, one whose input is `pixel_values` only runs the engine. With
+`preprocess_on_device` the pixel tensors are torch tensors on the device: they leave the preprocessing step through
+DLPack and reach the encoder step on the GPU (its config sets FORCE_CPU_ONLY_INPUT_TENSORS "no").
 """
 from __future__ import annotations
 
@@ -32,6 +34,21 @@ class TritonPythonModel(BatchedBackend[EncoderParams]):
         stage = "encode" if self.input_name == PIXELS else "preprocess" if self.output_name == PIXELS else "whole"
         self.encoder = ImageEncoder(self.folder, self.params, self.device, stage)
 
+    def inputs(self, request) -> Inputs:
+        if self.input_name != PIXELS:
+            return super().inputs(request)
+
+        def get(name: str):  # pixel tensors as they come: numpy on the CPU, torch (DLPack) on a GPU
+            tensor = self.pb.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                return None
+            if tensor.is_cpu():
+                return tensor.as_numpy()
+            import torch
+
+            return torch.from_dlpack(tensor.to_dlpack())
+        return Inputs(get)
+
     def read(self, inputs: Inputs) -> list[bytes] | list[np.ndarray]:
         if self.input_name == PIXELS:
             return list(inputs.array(PIXELS))
@@ -43,5 +60,9 @@ class TritonPythonModel(BatchedBackend[EncoderParams]):
     def infer(self, batch: list[list[Any]]) -> list[np.ndarray]:
         return self.encoder.infer(batch)
 
-    def respond(self, output: np.ndarray):
-        return self.pb.InferenceResponse([self.pb.Tensor(self.output_name, output.astype(np.float32))])
+    def respond(self, output: Any):
+        if isinstance(output, np.ndarray):
+            return self.pb.InferenceResponse([self.pb.Tensor(self.output_name, output.astype(np.float32))])
+        if output.device.type == "cpu":  # torch, preprocessed on the CPU
+            return self.pb.InferenceResponse([self.pb.Tensor(self.output_name, output.numpy())])
+        return self.pb.InferenceResponse([self.pb.Tensor.from_dlpack(self.output_name, output.contiguous())])

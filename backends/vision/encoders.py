@@ -28,6 +28,9 @@ class EncoderParams(BatchingParams):
     torch_compile: bool = False
     prepare_threads: int = bounded(4, 1, 256)  # decode/preprocess threads per instance
     max_pixels: int = bounded(DEFAULT_MAX_PIXELS, 1)  # larger images are refused before decoding
+    # image models: decode (nvJPEG on CUDA) and resize on the model's device, as torch tensors (pixels within
+    # rounding of the CPU path, which equals transformers)
+    preprocess_on_device: bool = False
 
 
 def split_rows(array: np.ndarray, counts: list[int]) -> list[np.ndarray]:
@@ -56,28 +59,58 @@ def load_engine(version_dir: Path, params: EncoderParams, device: str | None) ->
 
 class ImageEncoder:
     """Encoded images -> one output tensor (logits or embeddings), batched across requests; or one stage of that
-    (`preprocess`: the normalised pixel tensors themselves; `encode`: pixel tensors in)."""
+    (`preprocess`: the normalised pixel tensors themselves; `encode`: pixel tensors in). Pixel tensors are numpy
+    arrays, or torch tensors on the device with `preprocess_on_device` (they stay there into a torch engine)."""
 
     def __init__(self, version_dir: str | Path, params: EncoderParams = EncoderParams(), device: str | None = None,
-                 stage: str = "whole"):
-        """`device`: the instance's device when Triton placed it (else `params.device`)."""
+                 stage: str = "whole", preprocessor_dir: Path | None = None):
+        """`device`: the instance's device when Triton placed it (else `params.device`); `preprocessor_dir`: where
+        preprocessor_config.json is, when not beside the engine (an ensemble's steps, called in one process)."""
         version_dir = Path(version_dir)
-        self.preprocess = ImagePreprocessor.from_json(version_dir / "preprocessor_config.json") \
+        self.preprocess = ImagePreprocessor.from_json((preprocessor_dir or version_dir) / "preprocessor_config.json") \
             if stage != "encode" else None
         self.engine = load_engine(version_dir, params, device) if stage != "preprocess" else None
         self.max_pixels = params.max_pixels
+        self.pixel_device = None  # where images are preprocessed with torch; None: the CPU with Pillow
+        if self.preprocess is not None and params.preprocess_on_device:
+            from backends.core.devices import resolve_device
+            from backends.media.device_images import nvjpeg_available
+
+            self.pixel_device = resolve_device(device or params.device)
+            self.nvjpeg = nvjpeg_available(self.pixel_device)
 
     def prepare_item(self, data: bytes | np.ndarray) -> np.ndarray:
-        if self.preprocess is None:  # `encode`: a pixel tensor, shaped by the model's config
-            return np.asarray(data, dtype=np.float32)
+        if self.preprocess is None:  # `encode`: a pixel tensor (FP32, shaped by the model's config) as it came
+            return data
+        if self.pixel_device is not None:
+            from backends.media.device_images import decode_to_device, pixel_values
+
+            return pixel_values(decode_to_device(data, self.pixel_device, self.nvjpeg, self.max_pixels),
+                                self.preprocess)
         return self.preprocess(decode_image(data, self.max_pixels))
 
     def infer(self, batches: list[list[np.ndarray]]) -> list[np.ndarray]:
         if self.engine is None:
-            return [np.stack(batch) for batch in batches]
-        result = self.engine.run({"pixel_values": np.stack([x for batch in batches for x in batch])})
-        (output,) = result.values()
+            stacked = [stack(batch) for batch in batches]
+            if self.pixel_device is not None and self.pixel_device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(self.pixel_device)  # done before another process reads them
+            return stacked
+        pixels = stack([x for batch in batches for x in batch])
+        if self.engine.name != "torch" and not isinstance(pixels, np.ndarray):
+            pixels = pixels.cpu().numpy()
+        (output,) = self.engine.run({"pixel_values": pixels}).values()
         return split_rows(output, [len(b) for b in batches])
+
+
+def stack(items: list) -> np.ndarray:
+    """numpy arrays or torch tensors, stacked as what they are."""
+    if isinstance(items[0], np.ndarray):
+        return np.stack(items)
+    import torch
+
+    return torch.stack(items)
 
 
 class TextEncoder:

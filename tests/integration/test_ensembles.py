@@ -1,7 +1,8 @@
 """Image encoders served as Triton ensembles (`build_engines --ensemble`): a preprocessing model on CPU instances, then
 the encoder model; clients call the same name with the same tensors and get the transformers reference's outputs
 (also through the `clip` pipeline, which calls `clip_vision`), and INVALID_ARG naming the problem for a bad image,
-over HTTP and gRPC; perf_analyzer measures the ensemble."""
+over HTTP and gRPC; perf_analyzer measures the ensemble. `vit_device` preprocesses with torch on the model's device
+(`--preprocess-on-device true`; here the CPU, so the GPU tensor handoff itself is only exercised on a GPU host)."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,6 +29,8 @@ def server(tmp_path_factory, vit_checkpoint, clip_checkpoint):
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository),
                               "--ensemble"]) == 0
+    assert build_engines(["vit", "--checkpoint", str(vit_checkpoint), "--repository", str(repository), "--ensemble",
+                          "--name", "vit_device", "--preprocess-on-device", "true"]) == 0
     log = ROOT / "logs" / "test-ensembles.log"
     with TritonServer(repository, free_port(), free_port(), free_port(), log) as running:
         yield running
@@ -64,6 +67,21 @@ def test_ensemble_outputs_equal_the_reference(client, vit_checkpoint, clip_check
     texts = ["a photo of a cat", "dog"]  # the clip pipeline calls the clip_vision ensemble
     scores, _ = client.similarity(IMAGES[1], texts)
     np.testing.assert_allclose(scores, reference.clip_outputs(clip_checkpoint, IMAGES[1], texts)[2], atol=10 * ATOL)
+
+
+def test_preprocessing_on_the_device_gives_the_reference_outputs_within_pixel_rounding(client, server,
+                                                                                      vit_checkpoint):
+    triton = grpcclient.InferenceServerClient(server.grpc_url)
+    preprocess = triton.get_model_config("vit_device_preprocess", as_json=True)["config"]
+    encoder = triton.get_model_config("vit_device_encoder", as_json=True)["config"]
+    assert preprocess["parameters"]["preprocess_on_device"]["string_value"] == "true"
+    assert preprocess["instance_group"][0]["kind"] == encoder["instance_group"][0]["kind"]  # both on --device
+    assert encoder["parameters"]["FORCE_CPU_ONLY_INPUT_TENSORS"]["string_value"] == "no"
+    images = {"image": np.array([[b] for b in IMAGES], dtype=object)}
+    got = client.infer("vit_device", images, ["logits"])["logits"]
+    np.testing.assert_allclose(got, reference.vit_logits(vit_checkpoint, IMAGES), atol=0.02)
+    with pytest.raises(InferenceServerException, match="invalid input: image bytes"):
+        client.infer("vit_device", {"image": np.array([[b"not an image"]], dtype=object)}, ["logits"])
 
 
 def test_a_bad_image_is_invalid_arg_naming_the_problem_and_the_ensemble_keeps_serving(client):

@@ -1,5 +1,6 @@
-"""AnyRes preprocessing with torch (backends/media/device_images.py) against the Pillow path, which equals transformers:
-same plan and layout, pixels within rounding; decoding falls back to Pillow with the same checks."""
+"""Preprocessing with torch (backends/media/device_images.py) against the Pillow path, which equals transformers:
+AnyRes tiles with the same plan and layout, the image encoders' pixel tensors, pixels within rounding; decoding
+falls back to Pillow with the same checks."""
 from __future__ import annotations
 
 import io
@@ -12,8 +13,9 @@ import torch
 from PIL import Image
 
 from backends.core.errors import InvalidInput
-from backends.media.device_images import anyres_tiles, decode_to_device
+from backends.media.device_images import anyres_tiles, center_crop, decode_to_device, pixel_values
 from backends.media.images import ImagePreprocessor, decode_image
+from backends.media.images import center_crop as numpy_center_crop
 from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler
 from tests.conftest import random_image
 
@@ -43,10 +45,34 @@ def test_tiles_match_the_pillow_path_within_rounding(preprocess, height, width):
     data = png(smooth)
     expected, expected_plan = tiler.tiles(decode_image(data), preprocess)
     tiles, plan = anyres_tiles(tiler, decode_to_device(data, CPU, nvjpeg=False), preprocess)
-    assert plan == expected_plan and tiles.shape == expected.shape and tiles.dtype == torch.float32
-    levels = (tiles.numpy() - expected) * np.asarray(preprocess.image_std, dtype=np.float32)[:, None, None] * 255
+    assert plan == expected_plan
+    rounding_only(tiles, expected, preprocess)
+
+
+def rounding_only(pixels: torch.Tensor, expected: np.ndarray, preprocess: ImagePreprocessor) -> None:
+    assert pixels.shape == expected.shape and pixels.dtype == torch.float32
+    levels = (pixels.numpy() - expected) * np.asarray(preprocess.image_std, dtype=np.float32)[:, None, None] * 255
     assert np.abs(levels).max() < 6.5  # rounding only: a level or two, a few more where the pass order differs
     assert np.abs(levels).mean() < 0.25, "more than rounding: the mean difference is a quarter of a level"
+
+
+@pytest.mark.parametrize("processor", ["vit", "clip"])
+@pytest.mark.parametrize("height, width", [(1, 1), (224, 224), (480, 640), (2160, 3840), (3000, 50), (337, 1009)])
+def test_encoder_pixels_match_the_pillow_path_within_rounding(tmp_path, processor, height, width):
+    from transformers import CLIPImageProcessorPil, ViTImageProcessorPil
+
+    (ViTImageProcessorPil() if processor == "vit" else CLIPImageProcessorPil()).save_pretrained(tmp_path)
+    preprocess = ImagePreprocessor.from_json(tmp_path / "preprocessor_config.json")
+    data = png(random_image(max(1, width // 8), max(1, height // 8), seed=width).resize((width, height)))
+    rounding_only(pixel_values(decode_to_device(data, CPU, nvjpeg=False), preprocess),
+                  preprocess(decode_image(data)), preprocess)
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 9), (3, 2, 2), (3, 6, 1), (3, 1, 12)])
+def test_center_crop_pads_and_crops_as_the_numpy_path(shape):
+    pixels = np.random.default_rng(0).integers(1, 256, shape, dtype=np.uint8)
+    np.testing.assert_array_equal(center_crop(torch.from_numpy(pixels)[None], 4, 5)[0].numpy(),
+                                  numpy_center_crop(pixels, 4, 5))
 
 
 def encoded(kind: str) -> bytes:

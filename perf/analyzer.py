@@ -82,6 +82,12 @@ def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[flo
         except UnstableMeasurement:
             notes.append(f"{kind} {value}: perf_analyzer found no stable measurement (6 trials); left out.")
             continue
+        except RuntimeError as e:  # e.g. a load the client side cannot generate: said in the results, not hidden
+            if "Failed to maintain requested inference load" not in str(e):
+                raise
+            notes.append(f"{kind} {value}: perf_analyzer could not keep that load up (its worker threads' requests "
+                         "failed); left out.")
+            continue
         points.append(dataclasses.replace(point, gpu_util=gpu.mean))
         source = source or gpu.source
     return points, source, notes

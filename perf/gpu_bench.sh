@@ -111,7 +111,7 @@ if [[ " ${SCENARIOS:-images} " == *" ensembles "* ]]; then
   done
   # shellcheck disable=SC2086
   "$py" -m perf.ensemble_bench "${variants[@]}" --models ${MODELS:-vit clip_vision} --results "$results" \
-    --host "${HOST:-gpu}" --concurrency 16 64 256 ${ENSEMBLE_ARGS:-}
+    --host "${HOST:-gpu}" --concurrency 16 64 128 ${ENSEMBLE_ARGS:-}
 fi
 if [[ " ${SCENARIOS:-images} " == *" llm "* ]]; then
   "${build[@]}" llm --tiny --precision bf16 --device cuda

@@ -119,6 +119,9 @@ class TritonServer:
     model_control: str = "none"  # none | explicit | poll
     load_models: list[str] = field(default_factory=list)  # explicit mode: models loaded at start ("*" for all)
     extra_args: list[str] = field(default_factory=list)
+    # GPU memory Triton lends models for tensors passed on the GPU (an ensemble's GPU steps); None: Triton's 64 MB,
+    # which batches of pixel tensors outgrow ("failed to copy data: invalid argument" in the stub)
+    cuda_memory_pool_mb: int | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the server's (and its models') environment
     startup_timeout_s: float = 180.0
     process: subprocess.Popen | None = None
@@ -142,6 +145,8 @@ class TritonServer:
                f"--metrics-port={self.metrics_port}", f"--model-control-mode={self.model_control}",
                "--log-verbose=0", "--exit-timeout-secs=20", f"--backend-directory={assemble_backend_dir(install)}"]
         cmd += [f"--load-model={name}" for name in self.load_models]
+        if self.cuda_memory_pool_mb is not None:
+            cmd.append(f"--cuda-memory-pool-byte-size=0:{self.cuda_memory_pool_mb << 20}")
         return cmd + list(self.extra_args)
 
     def start(self) -> TritonServer:
@@ -213,10 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none")
     parser.add_argument("--load-model", action="append", default=[], help="explicit mode: model to load (repeat)")
     parser.add_argument("--log-file", default="logs/tritonserver.log")
+    parser.add_argument("--cuda-memory-pool-mb", type=int, default=None,
+                        help="GPU 0's pool for tensors passed on the GPU (ensembles built with --preprocess-on-device "
+                        "true need more than Triton's 64 MB: 2048 serves batches of 64 pixel tensors)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     args = parser.parse_args(argv)
     server = TritonServer(Path(args.repository), args.http_port, args.grpc_port, args.metrics_port,
-                          Path(args.log_file), args.model_control, args.load_model, startup_timeout_s=args.timeout)
+                          Path(args.log_file), args.model_control, args.load_model, startup_timeout_s=args.timeout,
+                          cuda_memory_pool_mb=args.cuda_memory_pool_mb)
+
     def on_sigterm(*_):
         raise KeyboardInterrupt
 

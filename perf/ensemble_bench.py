@@ -65,15 +65,43 @@ def serve_and_sweep(variant: Variant, model: str, image_sets: list[str], concurr
     """Points (and notes on unstable levels) per image set, with a server of this variant's repository."""
     server = TritonServer(variant.repository, free_port(), free_port(), free_port(),
                           Path(f"logs/bench-ensembles-{variant.name}.log"), model_control="explicit",
-                          load_models=[model])  # an ensemble loads its steps
+                          load_models=[model], cuda_memory_pool_mb=2048)  # an ensemble loads its steps
     out, csvs = {}, tmp / variant.name
     csvs.mkdir(exist_ok=True)
     with server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        steps = [s["model_name"] for s in client.get_model_config(model, as_json=True)["config"]
+                 .get("ensemble_scheduling", {}).get("step", [])] or [model]
         for image_set in image_sets:
             data = model_input_data(model, tmp, image_set)
+            before = [step_stats(client, step) for step in steps]
             points, _, notes = sweep(model, server, data, csvs, "concurrency", concurrency, interval_ms)
+            for step, old in zip(steps, before):
+                notes.append(describe_step(step, old, step_stats(client, step)))
             out[image_set] = (points, notes)
+        client.close()
     return out
+
+
+def step_stats(client, model: str) -> dict:
+    (stats,) = client.get_inference_statistics(model, as_json=True)["model_stats"]
+    return stats
+
+
+def describe_step(model: str, before: dict, after: dict) -> str:
+    """Where one model's time went over the sweep (Triton's cumulative statistics, warm-up included)."""
+    def delta(*keys: str) -> float:
+        def read(stats):
+            for key in keys:
+                stats = stats.get(key, {})
+            return float(stats or 0)
+        return read(after) - read(before)
+    executions, inferences = delta("execution_count"), delta("inference_count")
+    per = {name: delta("inference_stats", name, "ns") / max(inferences, 1) / 1e6
+           for name in ("queue", "compute_input", "compute_infer", "compute_output")}
+    return (f"step {model}: {inferences:.0f} requests in {executions:.0f} executions (mean batch "
+            f"{inferences / max(executions, 1):.1f}); ms per request (a batch's time counts for each): " +
+            ", ".join(f"{name} {ms:.2f}" for name, ms in per.items()))
 
 
 def baseline(variant: Variant, model: str, image_set: str, batch: int) -> float:

@@ -10,13 +10,14 @@ default where exact parity with transformers matters; the plan and the token cou
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from backends.media.images import DEFAULT_MAX_PIXELS, ImagePreprocessor, load_rgb, open_image
+from backends.media.images import DEFAULT_MAX_PIXELS, ImagePreprocessor, decode_image, load_rgb, open_image
 from backends.vision.anyres import AnyResPlan, AnyResTiler
 
 TORCH_MODES = {Image.Resampling.BICUBIC: "bicubic", Image.Resampling.BILINEAR: "bilinear"}
@@ -34,21 +35,57 @@ def nvjpeg_available(device: torch.device) -> bool:
     return True
 
 
-def decode_to_device(data: bytes, device: torch.device, nvjpeg: bool,
-                     max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
-    """uint8 [3, H, W] on `device`. Plain RGB/greyscale JPEGs go through nvJPEG when `nvjpeg`; everything else
-    (other formats, CMYK, EXIF-rotated, anything nvJPEG refuses) is decoded by Pillow, with the same checks."""
+@dataclass(frozen=True)
+class Jpeg:
+    """A plain RGB/greyscale JPEG for nvJPEG: its bytes, its header already checked by Pillow."""
+
+    data: torch.Tensor  # uint8 file bytes
+    size: tuple[int, int]  # (width, height)
+
+
+def read_on_host(data: bytes, nvjpeg: bool, max_pixels: int = DEFAULT_MAX_PIXELS) -> Jpeg | torch.Tensor:
+    """The host's share of decoding (a pool thread's work): the header checked, then a plain JPEG kept for nvJPEG
+    when `nvjpeg`, and anything else (other formats, CMYK, EXIF-rotated) decoded by Pillow to uint8 [3, H, W]."""
     image = open_image(data, max_pixels)
     if nvjpeg and image.format == "JPEG" and image.mode in ("RGB", "L") \
             and image.getexif().get(EXIF_ORIENTATION, 1) == 1:
+        return Jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), image.size)
+    return torch.from_numpy(np.array(load_rgb(image), dtype=np.uint8)).permute(2, 0, 1)
+
+
+def decode_on_device(items: list[Jpeg | torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`read_on_host`'s results -> uint8 [3, H, W] each on `device`: the JPEGs in one batched nvJPEG call (one by
+    one if that fails, and by Pillow, which decodes it or says what is wrong with it, where nvJPEG refuses one)."""
+    jpegs = [i for i, item in enumerate(items) if isinstance(item, Jpeg)]
+    out = [None if isinstance(item, Jpeg) else item.to(device) for item in items]
+    if jpegs:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                               device=device)
-        except RuntimeError as e:  # a JPEG nvJPEG cannot take: Pillow decodes it or says what is wrong with it
-            log.warning("nvJPEG refused a %dx%d JPEG (%s); decoding it with Pillow", *image.size, e)
-    return torch.from_numpy(np.array(load_rgb(image), dtype=np.uint8)).to(device).permute(2, 0, 1)
+            decoded = decode_jpeg([items[i].data for i in jpegs], mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            decoded = [decode_one(items[i], device) for i in jpegs]
+        for i, pixels in zip(jpegs, decoded):
+            out[i] = pixels
+    return out
+
+
+def decode_one(jpeg: Jpeg, device: torch.device) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(jpeg.data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError as e:  # a JPEG nvJPEG cannot take
+        log.warning("nvJPEG refused a %dx%d JPEG (%s); decoding it with Pillow", *jpeg.size, e)
+        pixels = np.array(decode_image(jpeg.data.numpy().tobytes()), dtype=np.uint8)
+        return torch.from_numpy(pixels).to(device).permute(2, 0, 1)
+
+
+def decode_to_device(data: bytes, device: torch.device, nvjpeg: bool,
+                     max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
+    """One image, uint8 [3, H, W] on `device` (nvJPEG for plain JPEGs when `nvjpeg`, else Pillow)."""
+    (pixels,) = decode_on_device([read_on_host(data, nvjpeg, max_pixels)], device)
+    return pixels
 
 
 def resize(pixels: torch.Tensor, size: tuple[int, int], resample: int) -> torch.Tensor:
@@ -84,17 +121,24 @@ def anyres_tiles(tiler: AnyResTiler, pixels: torch.Tensor, preprocess: ImagePrep
     return normalise(torch.cat([resize(image, thumb, preprocess.resample), tiles]), preprocess), plan
 
 
-def pixel_values(pixels: torch.Tensor, preprocess: ImagePreprocessor) -> torch.Tensor:
-    """uint8 [3, H, W] -> float32 [3, h, w] on its device: ImagePreprocessor's resize, center crop, rescale and
-    normalise, in torch."""
+def pixel_values(images: list[torch.Tensor], preprocess: ImagePreprocessor) -> torch.Tensor:
+    """uint8 [3, H, W] each -> float32 [N, 3, h, w] on their device: ImagePreprocessor's resize, center crop,
+    rescale and normalise, in torch; images of one size are resized together (a batch of thumbnails is one call)."""
     if preprocess.resample not in TORCH_MODES:
         raise ValueError(f"resample {preprocess.resample} has no torch equivalent; use the CPU path")
-    image = pixels[None].float()
-    if preprocess.do_resize:
-        image = resize(image, preprocess.resized_size(*pixels.shape[1:]), preprocess.resample)
-    if preprocess.do_center_crop and preprocess.crop_size:
-        image = center_crop(image, preprocess.crop_size["height"], preprocess.crop_size["width"])
-    return normalise(image, preprocess)[0]
+    by_size: dict[tuple, list[int]] = {}
+    for i, pixels in enumerate(images):
+        by_size.setdefault(tuple(pixels.shape[1:]), []).append(i)
+    out = [None] * len(images)
+    for (height, width), indices in by_size.items():
+        group = torch.stack([images[i] for i in indices]).float()
+        if preprocess.do_resize:
+            group = resize(group, preprocess.resized_size(height, width), preprocess.resample)
+        if preprocess.do_center_crop and preprocess.crop_size:
+            group = center_crop(group, preprocess.crop_size["height"], preprocess.crop_size["width"])
+        for i, pixels in zip(indices, group):
+            out[i] = pixels
+    return normalise(torch.stack(out), preprocess)
 
 
 def center_crop(image: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,38 +80,47 @@ class ImageEncoder:
             self.pixel_device = resolve_device(device or params.device)
             self.nvjpeg = nvjpeg_available(self.pixel_device)
 
-    def prepare_item(self, data: bytes | np.ndarray) -> np.ndarray:
+    def prepare_item(self, data: bytes | np.ndarray) -> Any:
+        """On a pool thread: the CPU's share of one item."""
         if self.preprocess is None:  # `encode`: a pixel tensor (FP32, shaped by the model's config) as it came
             return data
-        if self.pixel_device is not None:
-            from backends.media.device_images import decode_to_device, pixel_values
+        if self.pixel_device is not None:  # checked, and decoded unless nvJPEG takes it in `infer`
+            from backends.media.device_images import read_on_host
 
-            return pixel_values(decode_to_device(data, self.pixel_device, self.nvjpeg, self.max_pixels),
-                                self.preprocess)
+            return read_on_host(data, self.nvjpeg, self.max_pixels)
         return self.preprocess(decode_image(data, self.max_pixels))
 
-    def infer(self, batches: list[list[np.ndarray]]) -> list[np.ndarray]:
+    def infer(self, batches: list[list[Any]]) -> list[Any]:
+        """One call for a Triton batch: pixel tensors per request (`preprocess`), or the engine's outputs."""
+        counts = [len(b) for b in batches]
+        items = [x for batch in batches for x in batch]
+        if self.pixel_device is not None:
+            from backends.media.device_images import decode_on_device, pixel_values
+
+            pixels = pixel_values(decode_on_device(items, self.pixel_device), self.preprocess)
+        else:
+            pixels = stack(items)
         if self.engine is None:
-            stacked = [stack(batch) for batch in batches]
             if self.pixel_device is not None and self.pixel_device.type == "cuda":
                 import torch
 
-                torch.cuda.synchronize(self.pixel_device)  # done before another process reads them
-            return stacked
-        pixels = stack([x for batch in batches for x in batch])
+                torch.cuda.synchronize(self.pixel_device)  # written before another process reads them
+            return list(pixels.split(counts)) if not isinstance(pixels, np.ndarray) else split_rows(pixels, counts)
         if self.engine.name != "torch" and not isinstance(pixels, np.ndarray):
             pixels = pixels.cpu().numpy()
         (output,) = self.engine.run({"pixel_values": pixels}).values()
-        return split_rows(output, [len(b) for b in batches])
+        return split_rows(output, counts)
 
 
-def stack(items: list) -> np.ndarray:
-    """numpy arrays or torch tensors, stacked as what they are."""
-    if isinstance(items[0], np.ndarray):
+def stack(items: list) -> Any:
+    """Pixel tensors stacked: numpy arrays, or torch tensors (numpy ones among them, which an ensemble step can
+    receive when Triton moved a GPU tensor to the CPU, join them on their device)."""
+    if all(isinstance(x, np.ndarray) for x in items):
         return np.stack(items)
     import torch
 
-    return torch.stack(items)
+    device = next(x.device for x in items if isinstance(x, torch.Tensor))
+    return torch.stack([torch.as_tensor(x, device=device) for x in items])
 
 
 class TextEncoder:

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 
 from backends.core.errors import InvalidInput
-from backends.media.device_images import anyres_tiles, center_crop, decode_to_device, pixel_values
+from backends.media.device_images import (anyres_tiles, center_crop, decode_on_device, decode_to_device, pixel_values,
+                                          read_on_host)
 from backends.media.images import ImagePreprocessor, decode_image
 from backends.media.images import center_crop as numpy_center_crop
 from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler
@@ -64,8 +65,21 @@ def test_encoder_pixels_match_the_pillow_path_within_rounding(tmp_path, processo
     (ViTImageProcessorPil() if processor == "vit" else CLIPImageProcessorPil()).save_pretrained(tmp_path)
     preprocess = ImagePreprocessor.from_json(tmp_path / "preprocessor_config.json")
     data = png(random_image(max(1, width // 8), max(1, height // 8), seed=width).resize((width, height)))
-    rounding_only(pixel_values(decode_to_device(data, CPU, nvjpeg=False), preprocess),
+    rounding_only(pixel_values([decode_to_device(data, CPU, nvjpeg=False)], preprocess)[0],
                   preprocess(decode_image(data)), preprocess)
+
+
+def test_a_batch_of_mixed_sizes_gives_each_image_its_own_pixels(tmp_path):
+    from transformers import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil().save_pretrained(tmp_path)
+    preprocess = ImagePreprocessor.from_json(tmp_path / "preprocessor_config.json")
+    images = [torch.from_numpy(np.array(random_image(w, h, seed=w))).permute(2, 0, 1)
+              for w, h in [(300, 200), (64, 64), (300, 200), (50, 400)]]
+    batched = pixel_values(images, preprocess)
+    assert batched.shape == (4, 3, 224, 224)
+    for image, got in zip(images, batched):
+        torch.testing.assert_close(got, pixel_values([image], preprocess)[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", [(3, 7, 9), (3, 2, 2), (3, 6, 1), (3, 1, 12)])
@@ -101,6 +115,11 @@ def nvjpeg(monkeypatch):
     calls, behaviour = [], {"fail": False}
 
     def decode_jpeg(data, mode, device):
+        if isinstance(data, list):  # a batch: one call, failing as a whole
+            if behaviour["fail"]:
+                raise RuntimeError("nvjpegDecodeBatched failed")
+            calls.append([bytes(d.numpy()) for d in data])
+            return [torch.full((3, 1, 1), 7, dtype=torch.uint8) for _ in data]
         calls.append(bytes(data.numpy()))
         if behaviour["fail"]:
             raise RuntimeError("nvjpegDecode failed")
@@ -111,10 +130,13 @@ def nvjpeg(monkeypatch):
     return calls, behaviour
 
 
-def test_plain_jpegs_go_to_nvjpeg(nvjpeg):
+def test_plain_jpegs_go_to_nvjpeg_in_one_batch_and_the_rest_to_pillow(nvjpeg):
     calls, _ = nvjpeg
-    data = encoded("rgb-jpeg")
-    assert decode_to_device(data, CPU, nvjpeg=True).unique().tolist() == [7] and calls == [data]
+    jpeg, png_data = encoded("rgb-jpeg"), encoded("rgba-png")
+    decoded = decode_on_device([read_on_host(x, nvjpeg=True) for x in (jpeg, png_data, jpeg)], CPU)
+    assert calls == [[jpeg, jpeg]]
+    assert decoded[0].unique().tolist() == decoded[2].unique().tolist() == [7]
+    np.testing.assert_array_equal(decoded[1].numpy(), np.asarray(decode_image(png_data)).transpose(2, 0, 1))
 
 
 @pytest.mark.parametrize("kind", ["cmyk-jpeg", "exif-rotated-jpeg", "png-16bit", "rgba-png", "gif"])
@@ -132,9 +154,10 @@ def test_a_jpeg_nvjpeg_refuses_is_decoded_by_pillow(nvjpeg):
     calls, behaviour = nvjpeg
     behaviour["fail"] = True
     data = encoded("rgb-jpeg")
-    pixels = decode_to_device(data, CPU, nvjpeg=True)
-    assert len(calls) == 1
-    np.testing.assert_array_equal(pixels.numpy(), np.asarray(decode_image(data)).transpose(2, 0, 1))
+    pixels = decode_on_device([read_on_host(data, nvjpeg=True)] * 2, CPU)
+    assert calls == [data, data]  # the batch failed: each one alone, then Pillow
+    for one in pixels:
+        np.testing.assert_array_equal(one.numpy(), np.asarray(decode_image(data)).transpose(2, 0, 1))
 
 
 @pytest.mark.parametrize("data, reason", [(b"", "empty"), (b"not an image at all", "not a known image format")])

@@ -3,7 +3,7 @@ one run. Each variant is a repository built beforehand (`--variant NAME=REPOSITO
 `ensemble=repo_b` from `build_engines vit` and `build_engines vit --ensemble`); for each model and image set every
 variant gets its own server and the same perf_analyzer concurrency sweep (GPU utilisation from the server's
 metrics), and the in-process baseline (the same encoder called directly, with each variant's preprocessing device)
-gives Triton / in-process. Results: <date>-ensembles.{md,csv} and the full sweep, <date>-ensembles-sweep."""
+gives Triton / in-process. Results: <date>-ensembles[-label].{md,csv} and the full sweep, ...-sweep."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +114,23 @@ def baseline(variant: Variant, model: str, image_set: str, batch: int) -> float:
                                  preprocessor_dir=variant.preprocess_folder(model) / "1")
 
 
+def write_results(args, argv, variants, summary, rows, notes, hardware) -> None:
+    """Both tables, rewritten after each model (a run cut short keeps what it measured)."""
+    results = args.results / args.host
+    sets = "; ".join(f"`{name}`: {IMAGE_SETS[name]}" for name in args.image_sets)
+    common = [f"Image sets: {sets}. Concurrency {args.concurrency}, perf_analyzer over gRPC, "
+              f"{args.interval_ms} ms windows. GPU util: mean during the run, from the server's nv_gpu_utilization.",
+              *notes, f"Command line: python -m perf.ensemble_bench {' '.join(argv or sys.argv[1:])}"]
+    name = "ensembles" + (f"-{args.label}" if args.label else "")
+    write_table(results, name, ["model", "image set", "variant", "peak images/s", "at concurrency",
+                                       "p99 ms at peak", "GPU util % at peak", f"vs {variants[0].name}",
+                                       "in-process images/s", "Triton / in-process"], summary, hardware,
+                [f"In-process: the same engine and preprocessing called directly, batch {max(args.concurrency)}, "
+                 "images prepared on the variant's threads (perf/baseline.py).", *common])
+    write_table(results, f"{name}-sweep", ["model", "image set", "variant", "concurrency", "images/s", "p50 ms",
+                                             "p99 ms", "GPU util %"], rows, hardware, common)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.ensemble_bench", description=__doc__)
     bench_arguments(parser, interval_ms=1500, concurrency=(8, 32, 128))
@@ -121,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a repository to serve; the first is the one the others are compared with")
     parser.add_argument("--models", nargs="+", default=["vit", "clip_vision"])
     parser.add_argument("--image-sets", nargs="+", choices=sorted(IMAGE_SETS), default=["thumbnails", "mixed"])
+    parser.add_argument("--label", help="results are named <date>-ensembles-LABEL")
     args = parser.parse_args(argv)
     variants = [Variant(name, Path(path)) for name, _, path in (v.partition("=") for v in args.variant)]
-    results = args.results / args.host
     hardware = hardware_line("2.51.0")
     summary, rows, notes = [], [], []
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -150,17 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                     round(peak.throughput / in_process, 2)])
                     print(f"{model} {image_set} {v.name}: peak {peak.throughput:.1f} images/s at {peak.load:g}, "
                           f"in-process {in_process:.1f}", flush=True)
-    sets = "; ".join(f"`{name}`: {IMAGE_SETS[name]}" for name in args.image_sets)
-    common = [f"Image sets: {sets}. Concurrency {args.concurrency}, perf_analyzer over gRPC, "
-              f"{args.interval_ms} ms windows. GPU util: mean during the run, from the server's nv_gpu_utilization.",
-              *notes, f"Command line: python -m perf.ensemble_bench {' '.join(argv or sys.argv[1:])}"]
-    write_table(results, "ensembles", ["model", "image set", "variant", "peak images/s", "at concurrency",
-                                       "p99 ms at peak", "GPU util % at peak", f"vs {variants[0].name}",
-                                       "in-process images/s", "Triton / in-process"], summary, hardware,
-                [f"In-process: the same engine and preprocessing called directly, batch {max(args.concurrency)}, "
-                 "images prepared on the variant's threads (perf/baseline.py).", *common])
-    write_table(results, "ensembles-sweep", ["model", "image set", "variant", "concurrency", "images/s", "p50 ms",
-                                             "p99 ms", "GPU util %"], rows, hardware, common)
+            write_results(args, argv, variants, summary, rows, notes, hardware)
     return 0
 
 

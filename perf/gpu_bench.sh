@@ -33,10 +33,11 @@
 #   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
 #   ("llm vlm"): llm on Llama-3-8B shapes, vlm on LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes (random bf16);
 #   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10");
-#   "ensembles": perf.ensemble_bench for each of MODELS, one run: the single model beside the ensemble with CPU
-#   preprocessing (ENSEMBLE_INSTANCES, 4, instances x nproc threads) and with preprocessing on the GPU (2 instances),
-#   ViT-B/16-224 fp16 / CLIP ViT-L/14-336 bf16 as in "images"; ENSEMBLE_ARGS: more arguments, e.g. "--image-sets
-#   thumbnails --concurrency 16 64")
+#   "ensembles": perf.ensemble_bench for each of MODELS, one run, ViT-B/16-224 fp16 / CLIP ViT-L/14-336 bf16 as in
+#   "images", ENSEMBLE_VARIANTS ("single ensemble device") side by side: single, the model alone; ensemble, CPU
+#   preprocessing (ENSEMBLE_INSTANCES, 4, instances x nproc threads); device, preprocessing on the GPU (2 instances);
+#   device-x2, that with 2 encoder instances; ENSEMBLE_ARGS: more arguments, e.g. "--image-sets thumbnails
+#   --concurrency 16 64 --label x")
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -95,10 +96,13 @@ if [[ " ${SCENARIOS:-images} " == *" images "* ]]; then
 fi
 if [[ " ${SCENARIOS:-images} " == *" ensembles "* ]]; then
   variants=()
-  for variant in single ensemble device; do
+  for variant in ${ENSEMBLE_VARIANTS:-single ensemble device}; do
     repo="$WORK/ensembles/$variant" flags=()
-    [ "$variant" = ensemble ] && flags=(--ensemble --preprocess-instances "${ENSEMBLE_INSTANCES:-4}")
-    [ "$variant" = device ] && flags=(--ensemble --preprocess-instances 2 --preprocess-on-device true)
+    case "$variant" in
+      ensemble) flags=(--ensemble --preprocess-instances "${ENSEMBLE_INSTANCES:-4}") ;;
+      device) flags=(--ensemble --preprocess-instances 2 --preprocess-on-device true) ;;
+      device-x2) flags=(--ensemble --preprocess-instances 2 --preprocess-on-device true --instances 2) ;;
+    esac
     for model in ${MODELS:-vit clip_vision}; do
       case "$model" in
         vit) "${build[@]}" vit --random-init vit-b16-224 --runtime torch --precision fp16 --device cuda \

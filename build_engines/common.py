@@ -57,7 +57,7 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"  # fp8: "fp8" stores the KV cache in E4M3 (calibrated scales)
     fp8_rounding: str = "gptq"  # fp8: GPTQ's error feedback over the calibration prompts, or "nearest"
     priority_levels: bool = False  # dynamically batched models: the QoS classes as Triton priority levels
-    ensemble: bool = False  # vit, clip_vision: an ensemble of a preprocessing model and the encoder model
+    ensemble: bool = False  # vit, clip_vision, whisper: an ensemble of a preprocessing model and the engine's model
     preprocess_instances: int = 2  # CPU instances of an ensemble's preprocessing model
 
     def model_name(self, default: str) -> str:

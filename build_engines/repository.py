@@ -27,6 +27,7 @@ class Tensor:
     dims: list[int]
     label_filename: str | None = None  # enables Triton's classification extension on this output
     optional: bool = False  # an input a request may leave out
+    ragged: bool = False  # an input whose length differs between requests of one dynamic batch
 
 
 @dataclass
@@ -105,6 +106,8 @@ def add_tensors(config: mc.ModelConfig, inputs: list[Tensor], outputs: list[Tens
                 added.label_filename = t.label_filename
             if t.optional:
                 added.optional = True
+            if t.ragged and spec is config.input:
+                added.allow_ragged_batch = True
 
 
 def priority_queues(batching, params: QosParams = QosParams()) -> None:

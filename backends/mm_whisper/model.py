@@ -5,6 +5,10 @@ batcher forms the batches: QoS order with audio seconds as the cost). Their audi
 thread pool, each request checked on its own, clips longer than 30 s are cut into overlapping chunks, and the chunks
 of every request go through the engine together (up to `max_batch` clips per engine call). Each request's chunks are
 then merged back into one transcript.
+
+As a Triton ensemble (`build_engines whisper --ensemble`) it runs as two models of this backend, told apart by their
+tensors: `whisper_audio` (CPU instances) decodes and resamples, `_audio` out; `whisper_decoder` (the engine) takes
+`_audio`, 16 kHz mono float32 samples, with the options.
 """
 from __future__ import annotations
 
@@ -20,11 +24,15 @@ from backends.whisper.chunking import merge, split
 from backends.whisper.engine import TASKS, WhisperEngine, WhisperParams
 
 
+AUDIO = "_audio"  # the tensor between an ensemble's steps: 16 kHz mono float32 samples
+
+
 @dataclass
 class Job:
-    """One request: its audio (encoded, then as 30 s chunks) and its decoding options."""
+    """One request: its audio (encoded, or samples from an ensemble's first step; then as 30 s chunks) and its
+    decoding options."""
 
-    audio: bytes
+    audio: bytes | np.ndarray
     language: str | None  # None: detected
     task: str
     max_tokens: int | None
@@ -36,10 +44,14 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
     Params = WhisperParams
 
     def load(self) -> None:
-        self.engine = WhisperEngine(self.folder, self.params.dtype, self.device)
+        self.decodes_only = AUDIO in {t["name"] for t in self.model_config["output"]}
+        self.takes_samples = AUDIO in {t["name"] for t in self.model_config["input"]}
+        self.engine = None if self.decodes_only else WhisperEngine(self.folder, self.params.dtype, self.device)
 
     def read(self, inputs: Inputs) -> list[Job]:
-        audio = inputs.blob("audio", "encoded audio file")
+        if self.decodes_only:
+            return [Job(inputs.blob("audio", "encoded audio file"), None, "transcribe", None)]
+        audio = self.samples(inputs) if self.takes_samples else inputs.blob("audio", "encoded audio file")
         language = inputs.text("language") or None  # "" or absent: detected
         self.engine.check_language(language)
         task = inputs.text("task", "transcribe")
@@ -50,15 +62,29 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
             raise InvalidInput(f"max_tokens must be at least 1, got {max_tokens}")
         return [Job(audio, language, task, max_tokens)]
 
+    def samples(self, inputs: Inputs) -> np.ndarray:
+        audio = inputs.array(AUDIO)
+        if audio is None or audio.dtype != np.float32:
+            raise InvalidInput(f"{AUDIO} must hold float32 samples at {SAMPLE_RATE} Hz")
+        audio = audio.reshape(-1)
+        if not 0 < len(audio) <= self.params.max_audio_seconds * SAMPLE_RATE:
+            raise InvalidInput(f"{AUDIO} holds {len(audio) / SAMPLE_RATE:.1f} s of audio; this model takes up to "
+                               f"{self.params.max_audio_seconds:g} s")
+        return audio
+
     def prepare(self, job: Job) -> Job:
-        audio = decode_audio(job.audio, self.params.limits)
-        job.chunks, job.seconds = split(audio), len(audio) / SAMPLE_RATE
+        audio = job.audio if isinstance(job.audio, np.ndarray) else decode_audio(job.audio, self.params.limits)
+        job.audio, job.seconds = audio, len(audio) / SAMPLE_RATE
+        if not self.decodes_only:
+            job.chunks = split(audio)
         return job
 
     def sizes(self, prepared: list[Job]) -> dict[str, float]:
         return {"audio_s": sum(job.seconds for job in prepared)}
 
-    def infer(self, batch: list[list[Job]]) -> list[list[int]]:
+    def infer(self, batch: list[list[Job]]) -> list[list[int]] | list[np.ndarray]:
+        if self.decodes_only:
+            return [job.audio for (job,) in batch]
         clips = [(job, chunk) for (job,) in batch for chunk in job.chunks]
         tokens: dict[int, list[list[int]]] = {id(job): [] for (job,) in batch}
         for start in range(0, len(clips), self.params.max_batch):
@@ -69,7 +95,10 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
                 tokens[id(job)].append(result.tokens)
         return [merge(tokens[id(job)]) for (job,) in batch]
 
-    def respond(self, tokens: list[int]):
+    def respond(self, output: list[int] | np.ndarray):
+        if self.decodes_only:
+            return self.pb.InferenceResponse([self.pb.Tensor(AUDIO, output.reshape(1, -1))])
+        tokens = output
         text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
         return self.pb.InferenceResponse([  # [1, ...]: each request is a batch of one
             self.pb.Tensor("text", np.array([[text.encode()]], dtype=np.object_)),

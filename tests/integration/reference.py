@@ -45,3 +45,21 @@ def clip_outputs(checkpoint: Path, image: bytes, texts: list[str]):
         text_embeds.append(out.text_embeds.numpy()[0])
         logits.append(out.logits_per_image.item())
     return image_embeds, np.stack(text_embeds), np.array(logits, dtype=np.float32)
+
+
+def whisper_tokens(checkpoint: Path):
+    """tokens(clip, language, task, max_new): WhisperForConditionalGeneration.generate's greedy tokens on our float64
+    log-mel features (see test_audio), without <|endoftext|>."""
+    from transformers import WhisperForConditionalGeneration
+
+    from backends.whisper.engine import WhisperEngine
+
+    engine = WhisperEngine(checkpoint, "fp32", "cpu")
+    model = WhisperForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    def tokens(clip: np.ndarray, language: str | None = None, task: str = "transcribe", max_new: int = 20):
+        with torch.inference_mode():
+            out = model.generate(engine.features([clip], engine.device), language=language, task=task,
+                                 max_new_tokens=max_new)[0]
+        return [t for t in out.tolist() if t != engine.eot]
+    return tokens

@@ -1,7 +1,7 @@
-"""Image encoders served as Triton ensembles (`build_engines --ensemble`): a preprocessing model on CPU instances, then
-the encoder model; clients call the same name with the same tensors and get the transformers reference's outputs
-(also through the `clip` pipeline, which calls `clip_vision`), and INVALID_ARG naming the problem for a bad image,
-over HTTP and gRPC; perf_analyzer measures the ensemble. `vit_device` preprocesses with torch on the model's device
+"""Models served as Triton ensembles (`build_engines --ensemble`): a preprocessing model on CPU instances, then the
+engine's model; clients call the same name with the same tensors and get the transformers reference's outputs (image
+encoders, also through the `clip` pipeline, which calls `clip_vision`; whisper's tokens), and INVALID_ARG naming the
+problem for a bad image or bad audio, over HTTP and gRPC; perf_analyzer measures the ensemble. `vit_device` preprocesses with torch on the model's device
 (`--preprocess-on-device true`; here the CPU, so the GPU tensor handoff itself is only exercised on a GPU host)."""
 from __future__ import annotations
 
@@ -24,13 +24,15 @@ IMAGES = [encode(random_image(w, h, seed=i), fmt) for i, (w, h, fmt) in
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, vit_checkpoint, clip_checkpoint):
+def server(tmp_path_factory, vit_checkpoint, clip_checkpoint, whisper_checkpoint):
     repository = tmp_path_factory.mktemp("ensembles")
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository),
                               "--ensemble"]) == 0
     assert build_engines(["vit", "--checkpoint", str(vit_checkpoint), "--repository", str(repository), "--ensemble",
                           "--name", "vit_device", "--preprocess-on-device", "true"]) == 0
+    assert build_engines(["whisper", "--checkpoint", str(whisper_checkpoint), "--repository", str(repository),
+                          "--ensemble", "--batch-window", "adaptive"]) == 0  # our QoS batcher in both steps
     log = ROOT / "logs" / "test-ensembles.log"
     with TritonServer(repository, free_port(), free_port(), free_port(), log) as running:
         yield running
@@ -41,7 +43,7 @@ def client(request, server):
     return Client(server.http_url if request.param == "http" else server.grpc_url, request.param)
 
 
-def test_the_encoders_are_ensembles_of_a_cpu_preprocessing_step_and_the_engine(server):
+def test_the_models_are_ensembles_of_a_cpu_preprocessing_step_and_the_engine(server):
     triton = grpcclient.InferenceServerClient(server.grpc_url)
     for name in ("vit", "clip_vision"):
         config = triton.get_model_config(name, as_json=True)["config"]
@@ -51,6 +53,13 @@ def test_the_encoders_are_ensembles_of_a_cpu_preprocessing_step_and_the_engine(s
         preprocess = triton.get_model_config(f"{name}_preprocess", as_json=True)["config"]
         assert preprocess["instance_group"][0]["kind"] == "KIND_CPU" and preprocess["instance_group"][0]["count"] == 2
         assert [o["name"] for o in preprocess["output"]] == ["pixel_values"]
+    whisper = triton.get_model_config("whisper", as_json=True)["config"]
+    assert [step["model_name"] for step in whisper["ensemble_scheduling"]["step"]] == ["whisper_audio",
+                                                                                        "whisper_decoder"]
+    audio = triton.get_model_config("whisper_audio", as_json=True)["config"]
+    assert audio["instance_group"][0]["kind"] == "KIND_CPU" and audio["output"][0]["name"] == "_audio"
+    decoder = triton.get_model_config("whisper_decoder", as_json=True)["config"]
+    assert decoder["input"][0]["name"] == "_audio" and decoder["input"][0]["allow_ragged_batch"]
 
 
 def test_ensemble_outputs_equal_the_reference(client, vit_checkpoint, clip_checkpoint):
@@ -99,3 +108,26 @@ def test_perf_analyzer_measures_the_ensemble(server, protocol, tmp_path):
                                concurrency="1:4:3", protocol=protocol, interval_ms=1500)
     assert [p.load for p in points] == [1, 4]
     assert all(p.throughput > 0 and p.p99_us >= p.p50_us > 0 for p in points)
+
+
+def test_whisper_ensemble_equals_transformers_with_and_without_its_options(client, whisper_checkpoint):
+    from backends.whisper.chunking import merge, split
+    from tests.conftest import wav
+    from tests.integration.reference import whisper_tokens
+
+    reference = whisper_tokens(whisper_checkpoint)
+    rng = np.random.default_rng(7)
+    clips = [rng.normal(0, 0.1, int(16000 * s)).astype(np.float32) for s in (2, 35)]  # 35 s: two chunks
+    got = client.infer("whisper", {"audio": np.array([[wav(clips[0], subtype="FLOAT")]], dtype=object),
+                                   "max_tokens": np.array([[8]], dtype=np.int32)}, ["tokens"])["tokens"][0]
+    assert got.tolist() == reference(clips[0], max_new=8)  # no language (detected) nor task (transcribe)
+    _, tokens = client.transcribe(wav(clips[1], subtype="FLOAT"), "en", "translate", max_tokens=6)
+    assert tokens == merge([reference(chunk, "en", "translate", 6) for chunk in split(clips[1])])
+    with pytest.raises(InferenceServerException, match="invalid input: audio bytes"):
+        client.transcribe(b"not audio", "en")
+    audio = client.api.InferInput("audio", [1, 1], "BYTES")
+    audio.set_data_from_numpy(np.array([[wav(clips[0], subtype="FLOAT")]], dtype=object))
+    qos = client.triton.infer("whisper", [audio], parameters={"qos_class": "high"})  # passed on to both steps
+    assert qos.as_numpy("tokens").size > 0
+    with pytest.raises(InferenceServerException, match="invalid input: unknown language 'xx'"):
+        client.transcribe(wav(clips[0], subtype="FLOAT"), "xx")

@@ -8,32 +8,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 import tritonclient.http as httpclient
 
 from backends.media.audio import decode_audio
 from backends.whisper.chunking import merge, split
 from client.sdk import Client
 from tests.conftest import wav
+from tests.integration.reference import whisper_tokens
 
 RNG = np.random.default_rng(5)
 
 
 @pytest.fixture(scope="module")
 def reference(whisper_checkpoint):
-    from transformers import WhisperForConditionalGeneration
-
-    from backends.whisper.engine import WhisperEngine
-
-    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu")  # its features: float64 log-mel (see test_audio)
-    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
-
-    def tokens(clip: np.ndarray, language: str | None = None, task: str = "transcribe", max_new: int = 20):
-        with torch.inference_mode():
-            out = model.generate(engine.features([clip], engine.device), language=language, task=task,
-                                 max_new_tokens=max_new)[0]
-        return [t for t in out.tolist() if t != engine.eot]
-    return tokens
+    return whisper_tokens(whisper_checkpoint)
 
 
 def test_concurrent_requests_equal_transformers(server, reference):

@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ensemble", action="store_true",
                         help="vit, clip: serve the image encoder as a Triton ensemble of <name>_preprocess (decode, "
                         "resize, normalise on CPU instances) and <name>_encoder (the engine, dynamically batched); "
-                        "whisper: of <name>_audio (decode, resample) and <name>_decoder; clients call <name> as before")
+                        "whisper: of <name>_audio (decode, resample) and <name>_decoder; vlm: of <name>_anyres (decode, tile) and "
+                        "<name>_engine; clients call <name> as before")
     parser.add_argument("--preprocess-instances", type=int, default=2,
                         help="with --ensemble: instances of the preprocessing step (CPU ones, or with "
                         "--preprocess-on-device true on --device)")
@@ -118,8 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "--kv-cache-dtype fp8")
     if args.calibration and not args.calibration.is_file():
         parser.error(f"--calibration {args.calibration}: no such text file")
-    if args.ensemble and args.model not in ("vit", "clip", "whisper"):
-        parser.error("--ensemble is for vit, clip and whisper")
+    if args.ensemble and args.model not in ("vit", "clip", "whisper", "vlm"):
+        parser.error("--ensemble is for vit, clip, whisper and vlm")
     if args.pretrained and PRETRAINED[args.pretrained].family != args.model:
         parser.error(f"--pretrained {args.pretrained} is a {PRETRAINED[args.pretrained].family} model, not {args.model}")
     if args.checkpoint and args.checkpoint.suffix == ".gguf":

@@ -1,4 +1,5 @@
-"""`mm_anyres`: Triton backend for `anyres`, an encoded image in, its AnyRes tiles and visual-token count out.
+"""`mm_anyres`: Triton backend for `anyres`, an encoded image in, its AnyRes tiles, visual-token count and size
+(height, width) out; also the first step of the `vlm` ensemble (`build_engines vlm --ensemble`).
 
 Requests differ in tile count, so they are not batched together; decoding and tiling run on the instance's thread
 pool, so the requests of one `execute` are prepared in parallel.
@@ -10,7 +11,7 @@ import numpy as np
 from backends.core.adapter import BatchedBackend
 from backends.core.inputs import Inputs
 from backends.media.images import ImagePreprocessor, decode_image
-from backends.vision.anyres import AnyResParams, image_processor_config, tiler_from_checkpoint
+from backends.vision.anyres import AnyResParams, AnyResPlan, image_processor_config, tiler_from_checkpoint
 
 
 class TritonPythonModel(BatchedBackend[AnyResParams]):
@@ -23,14 +24,15 @@ class TritonPythonModel(BatchedBackend[AnyResParams]):
     def read(self, inputs: Inputs) -> list[bytes]:
         return [inputs.blob("image", "encoded image")]
 
-    def prepare(self, data: bytes) -> tuple[np.ndarray, int]:
-        tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)
-        return tiles, plan.num_image_tokens
+    def prepare(self, data: bytes) -> tuple[np.ndarray, AnyResPlan]:
+        return self.tiler.tiles(decode_image(data), self.preprocess)
 
-    def infer(self, batch: list[list[tuple[np.ndarray, int]]]) -> list[tuple[np.ndarray, int]]:
+    def infer(self, batch: list[list[tuple[np.ndarray, AnyResPlan]]]) -> list[tuple[np.ndarray, AnyResPlan]]:
         return [tiled for tiled, in batch]  # the work was the preparation
 
-    def respond(self, output: tuple[np.ndarray, int]):
-        tiles, tokens = output
-        return self.pb.InferenceResponse([self.pb.Tensor("pixel_values", tiles),
-                                          self.pb.Tensor("num_image_tokens", np.array([tokens], np.int32))])
+    def respond(self, output: tuple[np.ndarray, AnyResPlan]):
+        tiles, plan = output
+        return self.pb.InferenceResponse([
+            self.pb.Tensor("pixel_values", tiles),
+            self.pb.Tensor("num_image_tokens", np.array([plan.num_image_tokens], np.int32)),
+            self.pb.Tensor("image_size", np.array(plan.image_size, np.int32))])

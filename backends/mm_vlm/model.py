@@ -14,6 +14,10 @@ prefix cache, so its prompt blocks up to the question are not computed again eit
 Preprocessing runs on the CPU with Pillow (pixel-exact with transformers' processor) unless the model parameter
 `preprocess_on_device` is true: then decode (nvJPEG on CUDA) and resize run on the model's device
 (backends/media/device_images.py), which is what keeps a 4K photo's time to first token low on a GPU.
+
+As a Triton ensemble (`build_engines vlm --ensemble`) the image is tiled by the `mm_anyres` step first, on CPU
+instances of its own, and this model (`vlm_engine`) takes its tiles (`_pixel_values`) and the image's size
+(`_image_size`, which gives the plan) instead of `image`; an image is then known by a digest of its tiles.
 """
 from __future__ import annotations
 
@@ -54,11 +58,15 @@ class PreparedImage:
     features: torch.Tensor | None = None
 
 
+TILES, SIZE = "_pixel_values", "_image_size"  # an ensemble's tensors from its AnyRes step
+
+
 class TritonPythonModel(LLMBackend):
     Params = VLMParams
 
     def load(self) -> None:
         super().load()
+        self.takes_tiles = TILES in {t["name"] for t in self.model_config["input"]}
         params: VLMParams = self.params
         self.tiler = dataclasses.replace(tiler_from_checkpoint(self.folder), keep_ratio=params.visual_keep_ratio)
         self.preprocess = ImagePreprocessor.from_dict(image_processor_config(self.folder))
@@ -81,26 +89,39 @@ class TritonPythonModel(LLMBackend):
         count = prompt.count(self.placeholder)
         if count > 1:
             raise InvalidInput(f"the prompt has {count} image placeholders {self.placeholder!r} for one image")
-        image = inputs.blob("image", "encoded image")
+        image = self.tiled(inputs) if self.takes_tiles else inputs.blob("image", "encoded image")
         prompt = prompt if count else f"{self.placeholder}\n{prompt}"  # no placeholder: image first
         future = self.pool.submit(pending.ticket, self.tile, image, self.engine.tokenizer(prompt)["input_ids"],
                                   pending.fault)
         future.add_done_callback(lambda _: self.wake.set())
         return future
 
-    def tile(self, data: bytes, ids: list[int], fault: str | None) -> PreparedImage:
-        """Decode and tile one image and expand its prompt; on a worker thread."""
+    def tiled(self, inputs: Inputs) -> tuple[np.ndarray, AnyResPlan]:
+        """An ensemble's tiles and the plan their image's size gives, checked against each other."""
+        tiles, size = inputs.array(TILES), inputs.array(SIZE)
+        if tiles is None or size is None or size.size != 2 or tiles.ndim != 4:
+            raise InvalidInput(f"{TILES} [tiles, 3, S, S] and {SIZE} [2] (height, width) are needed")
+        plan = self.tiler.plan(int(size[0]), int(size[1]))
+        if tiles.shape[0] != plan.num_tiles or tiles.shape[2:] != (self.tiler.tile,) * 2:
+            raise InvalidInput(f"{TILES} has shape {list(tiles.shape)}; an image of {plan.image_size} takes "
+                               f"{plan.num_tiles} tiles of {self.tiler.tile} px")
+        return np.array(tiles), plan  # a copy: the engine reads it after this call's input buffers may be reused
+
+    def tile(self, image: bytes | tuple[np.ndarray, AnyResPlan], ids: list[int], fault: str | None) -> PreparedImage:
+        """Decode and tile one image (unless an ensemble's step did) and expand its prompt; on a worker thread."""
         inject(fault, "prepare")
-        key = hashlib.blake2b(data, digest_size=16).digest()
+        key = hashlib.blake2b(image if isinstance(image, bytes) else image[0], digest_size=16).digest()
         with self.features_lock:
             features = self.features.get(key)
         if features is not None:
             return PreparedImage(expand_placeholder(ids, self.placeholder_id, len(features)), key, features=features)
-        if self.on_device:
-            pixels = device_images.decode_to_device(data, self.engine.device, self.nvjpeg)
+        if not isinstance(image, bytes):
+            tiles, plan = image
+        elif self.on_device:
+            pixels = device_images.decode_to_device(image, self.engine.device, self.nvjpeg)
             tiles, plan = device_images.anyres_tiles(self.tiler, pixels, self.preprocess)
         else:
-            tiles, plan = self.tiler.tiles(decode_image(data), self.preprocess)
+            tiles, plan = self.tiler.tiles(decode_image(image), self.preprocess)
         return PreparedImage(expand_placeholder(ids, self.placeholder_id, plan.num_image_tokens), key, tiles, plan)
 
     def _admit(self) -> None:

@@ -63,3 +63,21 @@ def whisper_tokens(checkpoint: Path):
                                  max_new_tokens=max_new)[0]
         return [t for t in out.tolist() if t != engine.eot]
     return tokens
+
+
+def llava_greedy(checkpoint: Path):
+    """greedy_text(image, prompt, max_tokens): LlavaNextForConditionalGeneration.generate's answer."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    def greedy_text(image: bytes, prompt: str, max_tokens: int) -> str:
+        inputs = processor(images=Image.open(io.BytesIO(image)).convert("RGB"), text=prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        return processor.tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+    return greedy_text

@@ -1,7 +1,8 @@
 """Models served as Triton ensembles (`build_engines --ensemble`): a preprocessing model on CPU instances, then the
 engine's model; clients call the same name with the same tensors and get the transformers reference's outputs (image
-encoders, also through the `clip` pipeline, which calls `clip_vision`; whisper's tokens), and INVALID_ARG naming the
-problem for a bad image or bad audio, over HTTP and gRPC; perf_analyzer measures the ensemble. `vit_device` preprocesses with torch on the model's device
+encoders, also through the `clip` pipeline, which calls `clip_vision`; whisper's tokens; vlm's greedy answers, streamed
+through the ensemble), and INVALID_ARG naming the problem for a bad image or bad audio, over HTTP and gRPC;
+perf_analyzer measures the ensemble. `vit_device` preprocesses with torch on the model's device
 (`--preprocess-on-device true`; here the CPU, so the GPU tensor handoff itself is only exercised on a GPU host)."""
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ IMAGES = [encode(random_image(w, h, seed=i), fmt) for i, (w, h, fmt) in
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, vit_checkpoint, clip_checkpoint, whisper_checkpoint):
+def server(tmp_path_factory, vit_checkpoint, clip_checkpoint, whisper_checkpoint, llava_checkpoint):
     repository = tmp_path_factory.mktemp("ensembles")
     for family, checkpoint in (("vit", vit_checkpoint), ("clip", clip_checkpoint)):
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository),
@@ -33,6 +34,8 @@ def server(tmp_path_factory, vit_checkpoint, clip_checkpoint, whisper_checkpoint
                           "--name", "vit_device", "--preprocess-on-device", "true"]) == 0
     assert build_engines(["whisper", "--checkpoint", str(whisper_checkpoint), "--repository", str(repository),
                           "--ensemble", "--batch-window", "adaptive"]) == 0  # our QoS batcher in both steps
+    assert build_engines(["vlm", "--checkpoint", str(llava_checkpoint), "--repository", str(repository),
+                          "--ensemble"]) == 0
     log = ROOT / "logs" / "test-ensembles.log"
     with TritonServer(repository, free_port(), free_port(), free_port(), log) as running:
         yield running
@@ -131,3 +134,20 @@ def test_whisper_ensemble_equals_transformers_with_and_without_its_options(clien
     assert qos.as_numpy("tokens").size > 0
     with pytest.raises(InferenceServerException, match="invalid input: unknown language 'xx'"):
         client.transcribe(wav(clips[0], subtype="FLOAT"), "xx")
+
+
+def test_vlm_ensemble_streams_the_greedy_answers_of_llava_next(server, llava_checkpoint):
+    from tests.integration.reference import llava_greedy
+    from tests.integration.test_vlm import ask
+
+    reference = llava_greedy(llava_checkpoint)
+    images = [encode(random_image(640, 480, seed=1)), encode(random_image(90, 400, seed=2), "JPEG")]
+    prompts = ["<image> a photo of the cat", "what is in this"]  # the second: no placeholder, the image first
+    answers = ask(server, [(image, prompt, 12) for image, prompt in zip(images, prompts)], {"qos_class": "high"})
+    for image, prompt, answer in zip(images, prompts, answers):
+        assert answer.error is None and len(answer.arrivals) > 1  # streamed, piece by piece
+        assert answer.text == reference(image, prompt if "<image>" in prompt else f"<image>\n{prompt}", 12)
+    (bad,) = ask(server, [(b"not an image", "<image> hi", 4)])
+    assert "invalid input: image bytes" in bad.error
+    config = grpcclient.InferenceServerClient(server.grpc_url).get_model_config("vlm", as_json=True)["config"]
+    assert [step["model_name"] for step in config["ensemble_scheduling"]["step"]] == ["vlm_anyres", "vlm_engine"]

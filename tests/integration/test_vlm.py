@@ -8,28 +8,18 @@ import time
 
 import numpy as np
 import pytest
-import torch
 import tritonclient.grpc.aio as grpcclient
 from PIL import Image
 
 from client.sdk import generation_inputs
 from perf.llm import stream_one
 from tests.conftest import encode, random_image
+from tests.integration.reference import llava_greedy
 
 
 @pytest.fixture(scope="module")
 def reference(llava_checkpoint):
-    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(llava_checkpoint)
-    model = LlavaNextForConditionalGeneration.from_pretrained(llava_checkpoint, dtype=torch.float32).eval()
-
-    def greedy_text(image: bytes, prompt: str, max_tokens: int) -> str:
-        inputs = processor(images=Image.open(io.BytesIO(image)).convert("RGB"), text=prompt, return_tensors="pt")
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-        return processor.tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
-    return greedy_text
+    return llava_greedy(llava_checkpoint)
 
 
 def ask(server, requests: list[tuple[bytes, str, int]], parameters: dict | None = None):

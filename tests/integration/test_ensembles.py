@@ -151,3 +151,22 @@ def test_vlm_ensemble_streams_the_greedy_answers_of_llava_next(server, llava_che
     assert "invalid input: image bytes" in bad.error
     config = grpcclient.InferenceServerClient(server.grpc_url).get_model_config("vlm", as_json=True)["config"]
     assert [step["model_name"] for step in config["ensemble_scheduling"]["step"]] == ["vlm_anyres", "vlm_engine"]
+
+
+def test_perf_analyzer_measures_the_whisper_and_vlm_ensembles(server, tmp_path):
+    import json
+
+    from perf.inputs import bytes_entry
+    from perf.whisper_bench import speech_like
+    from perf.whisper_bench import write_input_data as whisper_data
+
+    whisper = run_perf_analyzer("whisper", server.grpc_url, whisper_data(tmp_path / "whisper.json",
+                                                                         [(speech_like(1.0, 0), 1.0, 4)]),
+                                tmp_path / "whisper.csv", concurrency="2", interval_ms=1500)
+    vlm_data = tmp_path / "vlm.json"
+    vlm_data.write_text(json.dumps({"data": [{"image": bytes_entry(IMAGES[1]),
+                                              "text_input": bytes_entry(b"<image> a photo of"),
+                                              "max_tokens": {"content": [4], "shape": [1]}}]}))
+    vlm = run_perf_analyzer("vlm", server.grpc_url, vlm_data, tmp_path / "vlm.csv", concurrency="2",
+                            interval_ms=1500, extra=["--streaming"])  # decoupled: a gRPC stream per request
+    assert all(p.throughput > 0 and p.p99_us >= p.p50_us > 0 for p in whisper + vlm)

@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--calibration {args.calibration}: no such text file")
     if args.ensemble and args.model not in ("vit", "clip", "whisper", "vlm"):
         parser.error("--ensemble is for vit, clip, whisper and vlm")
+    if args.ensemble and args.model == "vlm" and args.param_preprocess_on_device is not None:
+        parser.error("--preprocess-on-device: the vlm ensemble's AnyRes step decodes on the CPU (its engine takes "
+                     "tiles); build vlm without --ensemble to decode on the device")
     if args.pretrained and PRETRAINED[args.pretrained].family != args.model:
         parser.error(f"--pretrained {args.pretrained} is a {PRETRAINED[args.pretrained].family} model, not {args.model}")
     if args.checkpoint and args.checkpoint.suffix == ".gguf":

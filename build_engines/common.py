@@ -3,6 +3,7 @@ parameters (the backend's typed schema, with the user's overrides), up-to-date c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -57,8 +58,8 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"  # fp8: "fp8" stores the KV cache in E4M3 (calibrated scales)
     fp8_rounding: str = "gptq"  # fp8: GPTQ's error feedback over the calibration prompts, or "nearest"
     priority_levels: bool = False  # dynamically batched models: the QoS classes as Triton priority levels
-    ensemble: bool = False  # vit, clip_vision, whisper: an ensemble of a preprocessing model and the engine's model
-    preprocess_instances: int = 2  # CPU instances of an ensemble's preprocessing model
+    ensemble: bool = False  # vit, clip_vision, whisper, vlm: an ensemble of a preprocessing model and the engine's
+    preprocess_instances: int = 2  # instances of an ensemble's preprocessing model (CPU ones unless on the device)
 
     def model_name(self, default: str) -> str:
         return self.name or default
@@ -77,10 +78,12 @@ class BuildOptions:
         return hashlib.sha256(json.dumps([family, options, stamp, code.hexdigest()]).encode()).hexdigest()[:16]
 
     def parameters(self, schema: type[P], **builder_values) -> P:
-        """The backend's parameters: what the build decides, then the user's overrides, validated by the schema
-        exactly as the backend will read them."""
+        """The backend's parameters: what the build decides, then the user's overrides (those of this schema: an
+        ensemble's steps have schemas of their own; the command line checked them against the family's), validated
+        by the schema exactly as the backend will read them."""
         values = schema(**builder_values).to_config()
-        values.update(self.overrides)
+        fields = {f.name for f in dataclasses.fields(schema)}
+        values.update({k: v for k, v in self.overrides.items() if k in fields})
         return schema.from_config(values)
 
     def write(self, config: PythonModelConfig | EnsembleConfig, warmup: bytes | None = None) -> Path:

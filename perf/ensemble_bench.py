@@ -1,8 +1,8 @@
 """`python -m perf.ensemble_bench`: an image encoder served as one model and as Triton ensembles, side by side in
 one run. Each variant is a repository built beforehand (`--variant NAME=REPOSITORY`, e.g. `single=repo_a`
-`ensemble=repo_b` from `build_engines vit` and `build_engines vit --ensemble`); for each model and image set every
-variant gets its own server and the same perf_analyzer concurrency sweep (GPU utilisation from the server's
-metrics), and the in-process baseline (the same encoder called directly, with each variant's preprocessing device)
+`ensemble=repo_b` from `build_engines vit` and `build_engines vit --ensemble`); for each model every variant gets a
+server of its own, and on it the same perf_analyzer concurrency sweep per image set (GPU utilisation from the
+server's metrics, each step's batch size and time from Triton's statistics), and the in-process baseline (the same encoder called directly, with each variant's preprocessing device)
 gives Triton / in-process. Results: <date>-ensembles[-label].{md,csv} and the full sweep, ...-sweep."""
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             measured = {v.name: serve_and_sweep(v, model, args.image_sets, args.concurrency, args.interval_ms, tmp)
                         for v in variants}
             for image_set in args.image_sets:
-                first_peak = None
+                first_peak = None  # of the first variant, which the others are compared with
                 for v in variants:
                     points, unstable = measured[v.name][image_set]
                     notes += [f"{model}, {image_set}, {v.name}: {n}" for n in unstable]
@@ -159,11 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                     if not points:
                         continue
                     peak = max(points, key=lambda p: p.throughput)
-                    first_peak = first_peak or peak.throughput
+                    if v is variants[0]:
+                        first_peak = peak.throughput
                     in_process = baseline(v, model, image_set, max(args.concurrency))
                     summary.append([model, image_set, v.name, peak.throughput, peak.load, peak.p99_us / 1e3,
                                     "-" if peak.gpu_util is None else round(100 * peak.gpu_util),
-                                    round(peak.throughput / first_peak, 2), round(in_process, 1),
+                                    round(peak.throughput / first_peak, 2) if first_peak else "-",
+                                    round(in_process, 1),
                                     round(peak.throughput / in_process, 2)])
                     print(f"{model} {image_set} {v.name}: peak {peak.throughput:.1f} images/s at {peak.load:g}, "
                           f"in-process {in_process:.1f}", flush=True)

@@ -94,12 +94,20 @@ class TritonBackend(Generic[P]):
         """Load the engine from `self.folder` with `self.params` on `self.device`."""
 
     # --- one request ----------------------------------------------------------------------------------------
-    def inputs(self, request) -> Inputs:
+    def inputs(self, request, on_device: bool = False) -> Inputs:
+        """The request's inputs as numpy arrays; with `on_device` (a model whose config lets GPU tensors in), one on
+        a GPU as a torch tensor there (DLPack, no copy)."""
         pb = self.pb
 
         def get(name: str):
             tensor = pb.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
+            if tensor is None:
+                return None
+            if on_device and not tensor.is_cpu():
+                import torch
+
+                return torch.from_dlpack(tensor.to_dlpack())
+            return tensor.as_numpy()
         return Inputs(get)
 
     def check_parameters(self, request, hint: str = "", allowed: tuple[str, ...] = ()) -> str | None:
@@ -248,7 +256,10 @@ class BatchedBackend(TritonBackend[P]):
     def _run_jobs(self, batch: list[Job]) -> list[Any]:
         """On the batcher thread: one engine call for the batch (failures isolated per request)."""
         self.pool.kick()  # the batch's requests have started: room for more ahead of the engine
-        self._update_qos_metrics()  # clients see a request start (qos_admitted_total) before it ends
+        try:
+            self._update_qos_metrics()  # clients see a request start (qos_admitted_total) before it ends
+        except Exception:  # metrics never fail requests
+            log.exception("%s: updating the QoS metrics failed", self.name)
         outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
                                        {i: job.work[1] for i, job in enumerate(batch)})
         return [outputs[i] for i in range(len(batch))]

@@ -1,6 +1,7 @@
 """A request's inputs, read and decoded in one place: every mistake raises InvalidInput naming the input.
 
-Transport-free (it takes a `get(name)` that returns the input as numpy, or None when the request left it out), so
+Transport-free (it takes a `get(name)` that returns the input as numpy (or a torch tensor where a model takes GPU
+tensors), or None when the request left it out), so
 the backends and the library code they call share one set of checks, UTF-8 decoding included.
 """
 from __future__ import annotations

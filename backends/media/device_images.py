@@ -39,8 +39,9 @@ def nvjpeg_available(device: torch.device) -> bool:
 class Jpeg:
     """A plain RGB/greyscale JPEG for nvJPEG: its bytes, its header already checked by Pillow."""
 
-    data: torch.Tensor  # uint8 file bytes
+    data: bytes
     size: tuple[int, int]  # (width, height)
+    max_pixels: int  # the model's limit, for Pillow should nvJPEG refuse it
 
 
 def read_on_host(data: bytes, nvjpeg: bool, max_pixels: int = DEFAULT_MAX_PIXELS) -> Jpeg | torch.Tensor:
@@ -49,7 +50,7 @@ def read_on_host(data: bytes, nvjpeg: bool, max_pixels: int = DEFAULT_MAX_PIXELS
     image = open_image(data, max_pixels)
     if nvjpeg and image.format == "JPEG" and image.mode in ("RGB", "L") \
             and image.getexif().get(EXIF_ORIENTATION, 1) == 1:
-        return Jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), image.size)
+        return Jpeg(data, image.size, max_pixels)
     return torch.from_numpy(np.array(load_rgb(image), dtype=np.uint8)).permute(2, 0, 1)
 
 
@@ -62,7 +63,7 @@ def decode_on_device(items: list[Jpeg | torch.Tensor], device: torch.device) -> 
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:
-            decoded = decode_jpeg([items[i].data for i in jpegs], mode=ImageReadMode.RGB, device=device)
+            decoded = decode_jpeg([file_bytes(items[i]) for i in jpegs], mode=ImageReadMode.RGB, device=device)
         except RuntimeError:
             decoded = [decode_one(items[i], device) for i in jpegs]
         for i, pixels in zip(jpegs, decoded):
@@ -70,14 +71,18 @@ def decode_on_device(items: list[Jpeg | torch.Tensor], device: torch.device) -> 
     return out
 
 
+def file_bytes(jpeg: Jpeg) -> torch.Tensor:
+    return torch.frombuffer(bytearray(jpeg.data), dtype=torch.uint8)
+
+
 def decode_one(jpeg: Jpeg, device: torch.device) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     try:
-        return decode_jpeg(jpeg.data, mode=ImageReadMode.RGB, device=device)
+        return decode_jpeg(file_bytes(jpeg), mode=ImageReadMode.RGB, device=device)
     except RuntimeError as e:  # a JPEG nvJPEG cannot take
         log.warning("nvJPEG refused a %dx%d JPEG (%s); decoding it with Pillow", *jpeg.size, e)
-        pixels = np.array(decode_image(jpeg.data.numpy().tobytes()), dtype=np.uint8)
+        pixels = np.array(decode_image(jpeg.data, jpeg.max_pixels), dtype=np.uint8)
         return torch.from_numpy(pixels).to(device).permute(2, 0, 1)
 
 
@@ -142,16 +147,16 @@ def pixel_values(images: list[torch.Tensor], preprocess: ImagePreprocessor) -> t
 
 
 def center_crop(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """[N, C, H, W] cropped around the center as transformers' center_crop (zero-padded where the image is
-    smaller)."""
+    """[N, C, H, W] cropped around the center; zero-padded first where it is smaller (as transformers' center_crop
+    and backends.media.images.center_crop)."""
     h, w = image.shape[2:]
+    if h < height or w < width:
+        padded = image.new_zeros(*image.shape[:2], max(h, height), max(w, width))
+        top, left = -(-(padded.shape[2] - h) // 2), -(-(padded.shape[3] - w) // 2)  # rounded up
+        padded[..., top:top + h, left:left + w] = image
+        image, h, w = padded, *padded.shape[2:]
     top, left = (h - height) // 2, (w - width) // 2
-    if top >= 0 and left >= 0:
-        return image[..., top:top + height, left:left + width]
-    canvas = image.new_zeros(*image.shape[:2], max(h, height), max(w, width))
-    pad_top, pad_left = -(-(canvas.shape[2] - h) // 2), -(-(canvas.shape[3] - w) // 2)  # rounded up, as there
-    canvas[..., pad_top:pad_top + h, pad_left:pad_left + w] = image
-    return center_crop(canvas, height, width)
+    return image[..., top:top + height, left:left + width]
 
 
 def normalise(out: torch.Tensor, preprocess: ImagePreprocessor) -> torch.Tensor:

@@ -35,24 +35,15 @@ class TritonPythonModel(BatchedBackend[EncoderParams]):
         self.encoder = ImageEncoder(self.folder, self.params, self.device, stage)
 
     def inputs(self, request) -> Inputs:
-        if self.input_name != PIXELS:
-            return super().inputs(request)
-
-        def get(name: str):  # pixel tensors as they come: numpy on the CPU, torch (DLPack) on a GPU
-            tensor = self.pb.get_input_tensor_by_name(request, name)
-            if tensor is None:
-                return None
-            if tensor.is_cpu():
-                return tensor.as_numpy()
-            import torch
-
-            return torch.from_dlpack(tensor.to_dlpack())
-        return Inputs(get)
+        return super().inputs(request, on_device=self.input_name == PIXELS)  # pixel tensors stay where they came
 
     def read(self, inputs: Inputs) -> list[bytes] | list[np.ndarray]:
-        if self.input_name == PIXELS:
-            return list(inputs.array(PIXELS))
-        return inputs.items(self.input_name)
+        if self.input_name != PIXELS:
+            return inputs.items(self.input_name)
+        pixels = inputs.array(PIXELS)
+        if self.batcher is not None:  # used after `execute` returns, when Triton may reuse the input's buffer
+            pixels = pixels.clone() if not isinstance(pixels, np.ndarray) else pixels.copy()
+        return list(pixels)
 
     def prepare(self, item: bytes) -> Any:
         return self.encoder.prepare_item(item)

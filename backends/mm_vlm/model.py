@@ -99,8 +99,8 @@ class TritonPythonModel(LLMBackend):
     def tiled(self, inputs: Inputs) -> tuple[np.ndarray, AnyResPlan]:
         """An ensemble's tiles and the plan their image's size gives, checked against each other."""
         tiles, size = inputs.array(TILES), inputs.array(SIZE)
-        if tiles is None or size is None or size.size != 2 or tiles.ndim != 4:
-            raise InvalidInput(f"{TILES} [tiles, 3, S, S] and {SIZE} [2] (height, width) are needed")
+        if tiles is None or size is None or size.size != 2 or (size <= 0).any() or tiles.ndim != 4:
+            raise InvalidInput(f"{TILES} [tiles, 3, S, S] and {SIZE} [2] (height, width, both > 0) are needed")
         plan = self.tiler.plan(int(size[0]), int(size[1]))
         if tiles.shape[0] != plan.num_tiles or tiles.shape[2:] != (self.tiler.tile,) * 2:
             raise InvalidInput(f"{TILES} has shape {list(tiles.shape)}; an image of {plan.image_size} takes "

@@ -64,12 +64,14 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
 
     def samples(self, inputs: Inputs) -> np.ndarray:
         audio = inputs.array(AUDIO)
-        if audio is None or audio.dtype != np.float32:
-            raise InvalidInput(f"{AUDIO} must hold float32 samples at {SAMPLE_RATE} Hz")
-        audio = audio.reshape(-1)
+        if audio is None or audio.dtype != np.float32 or audio.ndim != 2 or audio.shape[0] != 1:
+            raise InvalidInput(f"{AUDIO} must hold one clip of float32 samples at {SAMPLE_RATE} Hz, shape [1, samples]")
+        audio = audio[0].copy()  # a copy: with our batcher it is used after `execute` returns
         if not 0 < len(audio) <= self.params.max_audio_seconds * SAMPLE_RATE:
             raise InvalidInput(f"{AUDIO} holds {len(audio) / SAMPLE_RATE:.1f} s of audio; this model takes up to "
                                f"{self.params.max_audio_seconds:g} s")
+        if not np.isfinite(audio).all():
+            raise InvalidInput(f"{AUDIO} contains NaN or infinite samples")
         return audio
 
     def prepare(self, job: Job) -> Job:

@@ -106,7 +106,7 @@ class ImageEncoder:
 
                 torch.cuda.synchronize(self.pixel_device)  # written before another process reads them
             return list(pixels.split(counts)) if not isinstance(pixels, np.ndarray) else split_rows(pixels, counts)
-        if self.engine.name != "torch" and not isinstance(pixels, np.ndarray):
+        if self.engine.name == "onnxruntime" and not isinstance(pixels, np.ndarray):
             pixels = pixels.cpu().numpy()
         (output,) = self.engine.run({"pixel_values": pixels}).values()
         return split_rows(output, counts)

@@ -167,18 +167,32 @@ async def heavy_burst(server, model: str, heavy: list[dict], light: dict,
                       running_s: float) -> tuple[list, object, object]:
     """Three heavy low-class requests (one runs, two wait: the low queue is full), then one more low one and a
     light high one. The first one has started `running_s` after the model started it (a large request takes a
-    while to reach the engine on a busy machine) and still runs 0.1 s later."""
+    while to reach the engine on a busy machine) and still runs when the other two have arrived."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
+
+    async def taken() -> int:  # requests the model's `execute` has taken (admitted to our queue or refused)
+        stats = await client.get_inference_statistics(model, as_json=True)
+        return int(stats["model_stats"][0].get("inference_count", 0))
+
+    async def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not await condition():
+            assert time.monotonic() < deadline, f"{model}: {what}"
+            await asyncio.sleep(0.01)
     try:
         before = value(metrics(server), "qos_admitted_total", model=model, qos_class="low")
+        count = await taken()
         lows = [infer_task(client, model, heavy[0], "low")]
-        deadline = time.monotonic() + 30
-        while value(metrics(server), "qos_admitted_total", model=model, qos_class="low") == before:
-            assert time.monotonic() < deadline, f"{model} never started the first request"
-            await asyncio.sleep(0.01)
+
+        async def started() -> bool:
+            return value(metrics(server), "qos_admitted_total", model=model, qos_class="low") > before
+        await until(started, "never started the first request")
         await asyncio.sleep(running_s)
         lows += [infer_task(client, model, tensors, "low") for tensors in heavy[1:3]]
-        await asyncio.sleep(0.1)
+
+        async def queued() -> bool:  # both large requests arrived (a small one sent next must not overtake them)
+            return await taken() >= count + 3
+        await until(queued, "never took the second and third requests")
         refused, high = infer_task(client, model, light, "low"), infer_task(client, model, light, "high")
         results = await asyncio.wait_for(asyncio.gather(*lows, refused, high), timeout=120)
     finally:

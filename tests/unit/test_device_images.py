@@ -74,8 +74,8 @@ def test_a_batch_of_mixed_sizes_gives_each_image_its_own_pixels(tmp_path):
 
     CLIPImageProcessorPil().save_pretrained(tmp_path)
     preprocess = ImagePreprocessor.from_json(tmp_path / "preprocessor_config.json")
-    images = [torch.from_numpy(np.array(random_image(w, h, seed=w))).permute(2, 0, 1)
-              for w, h in [(300, 200), (64, 64), (300, 200), (50, 400)]]
+    images = [torch.from_numpy(np.array(random_image(w, h, seed=i))).permute(2, 0, 1)
+              for i, (w, h) in enumerate([(300, 200), (64, 64), (300, 200), (50, 400)])]
     batched = pixel_values(images, preprocess)
     assert batched.shape == (4, 3, 224, 224)
     for image, got in zip(images, batched):
@@ -118,9 +118,9 @@ def nvjpeg(monkeypatch):
         if isinstance(data, list):  # a batch: one call, failing as a whole
             if behaviour["fail"]:
                 raise RuntimeError("nvjpegDecodeBatched failed")
-            calls.append([bytes(d.numpy()) for d in data])
+            calls.append([d.numpy().tobytes() for d in data])
             return [torch.full((3, 1, 1), 7, dtype=torch.uint8) for _ in data]
-        calls.append(bytes(data.numpy()))
+        calls.append(data.numpy().tobytes())
         if behaviour["fail"]:
             raise RuntimeError("nvjpegDecode failed")
         return torch.full((3, 1, 1), 7, dtype=torch.uint8)

@@ -4,9 +4,10 @@ PY := $(VENV)/bin/python
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
-export HTTP_PORT GRPC_PORT METRICS_PORT
+OPENAI_PORT ?= 9000
+export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT
 
-.PHONY: setup engines serve demo test test-unit bench genai-perf fp8-reference bundle clean
+.PHONY: setup engines serve openai demo test test-unit bench genai-perf fp8-reference bundle clean
 
 setup:            ## venv + pinned stack + tritonserver + perf_analyzer (idempotent)
 	bash scripts/setup.sh
@@ -18,6 +19,9 @@ engines: setup    ## tiny default engines + the trained SmolLM2 (smollm2, with i
 
 serve: engines    ## foreground tritonserver on HTTP_PORT/GRPC_PORT/METRICS_PORT
 	$(PY) -m backends.server --repository model_repository
+
+openai: setup     ## the OpenAI-compatible API on OPENAI_PORT, over the tritonserver of `make serve` (GRPC_PORT)
+	$(PY) -m frontend --repository model_repository
 
 demo: engines     ## start the server, call every model once, stop it
 	$(PY) -m client.demo

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend over tritonserver (`make openai`)."""

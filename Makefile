@@ -46,6 +46,7 @@ bench: engines genai-perf  ## perf scenarios (perf/) and the in-process LLM engi
 	$(PY) -m perf.sam_bench --concurrency 1 4
 	$(PY) -m build_engines vit --tiny --ensemble --repository .bench/ensembles
 	$(PY) -m perf.ensemble_bench --models vit --variant single=model_repository --variant ensemble=.bench/ensembles
+	$(PY) -m perf.openai_bench
 
 bundle: setup     ## dist/*.tar.xz for an offline GPU host (BUNDLE_PYTHON=3.12); perf/gpu_bench.sh runs it there
 	bash scripts/bundle.sh

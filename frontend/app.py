@@ -92,8 +92,8 @@ def create_app(triton_url: str, repository: Path, default_max_tokens: int = 512,
 
     async def complete(body: Generation, prompt: str, chat: bool):
         budget = body.budget or default_max_tokens
-        options = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p), ("seed", body.seed))
-                   if v is not None}
+        options = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p), ("seed", body.seed),
+                                     ("min_length", body.min_tokens)) if v is not None}
         if body.stops:
             options["stop"] = body.stops
         arrays = generation_arrays(prompt, budget, stream=True, **options)
@@ -183,6 +183,7 @@ class Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_tokens = len(tokenizer(prompt)["input_ids"])
+        self.content_chunk = self.serialise("\x00")  # the per-token chunk, "\u0000" where its text goes
 
     def usage(self, text: str) -> dict:
         completion = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -205,6 +206,11 @@ class Reply:
         return {**self.head(), "object": "text_completion", "choices": [choice], "usage": usage}
 
     def chunk(self, content: str | None, finish_reason: str | None = None, first: bool = False) -> str:
+        if content is not None and finish_reason is None and not first:  # once per token: no dict, no dumps of it
+            return self.content_chunk.replace("\\u0000", json.dumps(content)[1:-1], 1)
+        return self.serialise(content, finish_reason, first)
+
+    def serialise(self, content: str | None, finish_reason: str | None = None, first: bool = False) -> str:
         if self.chat:
             delta = ({"role": "assistant"} if first else {}) | ({"content": content} if content is not None else {})
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}

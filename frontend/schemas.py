@@ -51,6 +51,7 @@ class Generation(Strict):
     user: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
 
     @field_validator("n")
     @classmethod

@@ -1,0 +1,149 @@
+"""`python -m perf.openai_bench`: what the OpenAI-compatible frontend costs. The same streamed load (closed-loop
+concurrency, fixed output length) straight to tritonserver over gRPC (perf/llm.py) and through the frontend (its own
+process, `python -m frontend`, the official `openai` client's async streaming), side by side in one run, alternating
+rounds; output tokens/s through the frontend / direct. Results: <date>-openai-frontend.{md,csv}."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from backends.server import TritonServer, free_port
+from perf.llm import LoadSpec, StreamTiming, make_prompts, run_load, summarize
+from perf.report import bench_arguments, hardware_line, write_table
+
+
+async def openai_load(base_url: str, model: str, prompts: list[str], spec: LoadSpec,
+                      sdk: bool = True) -> list[StreamTiming]:
+    """perf.llm.run_load's closed loop, each request a streamed /v1/completions: through the official `openai`
+    client (`sdk`), or read as plain Server-Sent Events (httpx2, which that client is built on; json per line)."""
+    import httpx2
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    http = httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=None))
+    body = {"model": model, "max_tokens": spec.output_tokens, "temperature": 0, "stream": True,
+            "min_tokens": spec.output_tokens}
+
+    async def texts(prompt: str):
+        if sdk:
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=spec.output_tokens,
+                                                     temperature=0, stream=True,
+                                                     extra_body={"min_tokens": spec.output_tokens})
+            async for chunk in stream:
+                yield chunk.choices[0].text if chunk.choices else ""
+            return
+        async with http.stream("POST", f"{base_url}/completions", json=body | {"prompt": prompt}) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    yield json.loads(line[6:])["choices"][0]["text"]
+
+    async def one(prompt: str) -> StreamTiming:
+        timing, pieces = StreamTiming(time.perf_counter(), [], ""), []
+        try:
+            async for text in texts(prompt):
+                if text:
+                    pieces.append(text)
+                    timing.arrivals.append(time.perf_counter())
+        except (openai.OpenAIError, httpx2.HTTPError) as e:
+            timing.error = str(e)
+        timing.ended, timing.text = time.perf_counter(), "".join(pieces)
+        return timing
+
+    async def drive(count: int) -> list[StreamTiming]:
+        queue, results = iter(range(count)), []
+
+        async def worker():
+            for i in queue:
+                results.append(await one(prompts[i % len(prompts)]))
+        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+        return results
+    try:
+        await drive(spec.concurrency)  # warm-up
+        return await drive(spec.requests)
+    finally:
+        await client.close()
+        await http.aclose()
+
+
+def start_frontend(grpc_url: str, repository: Path, port: int) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "frontend", "--host", "127.0.0.1", "--port", str(port),
+                                "--triton", grpc_url, "--repository", str(repository)],
+                               stdout=subprocess.DEVNULL, stderr=open("logs/bench-openai-frontend.log", "wb"),
+                               env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return process
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("the frontend did not start; see logs/bench-openai-frontend.log") from None
+            time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.openai_bench", description=__doc__)
+    bench_arguments(parser, interval_ms=0, concurrency=(16, 64))
+    parser.add_argument("--model", default="llm")
+    parser.add_argument("--input-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="direct / frontend rounds, alternating")
+    args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    Path("logs").mkdir(exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.repository / args.model / "1")
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    prompts = make_prompts(32, args.input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                           tokenizer.decode)
+    rows = []
+    server = TritonServer(args.repository, free_port(), free_port(), free_port(), Path("logs/bench-openai.log"),
+                          model_control="explicit", load_models=[args.model])
+    with server:
+        frontend = start_frontend(server.grpc_url, args.repository, port := free_port())
+        try:
+            for concurrency in args.concurrency:
+                spec = LoadSpec(concurrency, args.input_tokens, args.output_tokens, requests=4 * concurrency)
+                rates: dict[str, list[float]] = {"direct": [], "sse": [], "sdk": []}
+                url = f"http://127.0.0.1:{port}/v1"
+                for _ in range(args.rounds):
+                    direct = asyncio.run(run_load(server.grpc_url, args.model, prompts, spec,
+                                                  {"min_length": args.output_tokens, "temperature": 0.0}))
+                    rates["direct"].append(summarize(direct, count)["output_tokens_per_s"])
+                    for client, sdk in (("sse", False), ("sdk", True)):
+                        through = asyncio.run(openai_load(url, args.model, prompts, spec, sdk))
+                        rates[client].append(summarize(through, count)["output_tokens_per_s"])
+                mean = {k: sum(v) / len(v) for k, v in rates.items()}
+                rows.append([args.model, concurrency, args.input_tokens, args.output_tokens, round(mean["direct"], 1),
+                             round(mean["sse"], 1), round(mean["sse"] / mean["direct"], 3), round(mean["sdk"], 1),
+                             round(mean["sdk"] / mean["direct"], 3),
+                             " / ".join(f"{d:.0f}:{e:.0f}:{o:.0f}" for d, e, o in zip(*rates.values()))])
+                print(rows[-1], flush=True)
+        finally:
+            frontend.terminate()
+            frontend.wait(10)
+    write_table(args.results / args.host, "openai-frontend",
+                ["model", "concurrency", "input tokens", "output tokens", "direct gRPC output tokens/s",
+                 "frontend, SSE client", "/ direct", "frontend, openai SDK", "/ direct",
+                 "rounds (direct:SSE:SDK)"], rows,
+                hardware_line("2.51.0"),
+                [f"Each round: {4} x concurrency measured requests after a warm-up round of concurrency requests, "
+                 "closed loop, output length forced (min_length / min_tokens), greedy; each round runs direct, then the "
+                 "frontend read as plain SSE (httpx2, json per line), then through the official openai client's "
+                 "async streaming (its per-chunk parsing is part of that column). Tokens counted with the model's tokenizer on each request's text. The frontend runs as "
+                 "its own process (python -m frontend) on the same machine as tritonserver and the load generator.",
+                 f"Command line: python -m perf.openai_bench {' '.join(argv or sys.argv[1:])}"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,7 +23,7 @@ serve: engines    ## foreground tritonserver on HTTP_PORT/GRPC_PORT/METRICS_PORT
 openai: setup     ## the OpenAI-compatible API on OPENAI_PORT, over the tritonserver of `make serve` (GRPC_PORT)
 	$(PY) -m frontend --repository model_repository
 
-demo: engines     ## start the server, call every model once, stop it
+demo: engines     ## start the server, call every model once (and the OpenAI API on OPENAI_PORT), stop it
 	$(PY) -m client.demo
 
 test: engines fp8-reference  ## the whole suite: unit tests and integration tests against a real tritonserver

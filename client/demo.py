@@ -42,6 +42,32 @@ def chat_prompt(model_folder: Path, question: str) -> str:
                                          tokenize=False)
 
 
+def openai_demo(grpc_url: str, port: int) -> None:
+    """The OpenAI-compatible frontend (`make openai`) over the same server, called with the official client."""
+    import threading
+    import time
+
+    import openai
+    import uvicorn
+
+    from frontend.app import create_app
+
+    frontend = uvicorn.Server(uvicorn.Config(create_app(grpc_url, Path("model_repository")), host="127.0.0.1",
+                                             port=port, log_level="warning"))
+    threading.Thread(target=frontend.run, daemon=True).start()
+    while not frontend.started:
+        time.sleep(0.05)
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    print(f"\n== the OpenAI-compatible API (make openai) on port {port}, with the openai client:", flush=True)
+    print("models:", ", ".join(m.id for m in api.models.list()))
+    answer = api.chat.completions.create(model="smollm2", max_tokens=32,
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}])
+    print("chat (smollm2):", answer.choices[0].message.content)
+    print("embedding (clip_text):", len(api.embeddings.create(model="clip_text", input="a dog").data[0].embedding),
+          "floats")
+    frontend.should_exit = True
+
+
 def main() -> int:
     ports = {k: int(os.environ.get(k, d)) for k, d in (("HTTP_PORT", 8000), ("GRPC_PORT", 8001), ("METRICS_PORT", 8002))}
     with tempfile.TemporaryDirectory() as tmp, TritonServer(
@@ -72,6 +98,7 @@ def main() -> int:
             print(f"\n== {title}: python -m client {' '.join(args)}", flush=True)
             if cli(args) != 0:  # the CLI printed why
                 return 1
+        openai_demo(server.grpc_url, int(os.environ.get("OPENAI_PORT", 9000)))
         print("\n(apart from smollm2, tiny random-init models: their labels, scores and text are not meaningful; the "
               "serving path is real)")
     print("tritonserver stopped")

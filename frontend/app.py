@@ -68,37 +68,45 @@ def create_app(triton_url: str, repository: Path, default_max_tokens: int = 512,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": OWNER}
-                                           for m in await app.state.triton.models()]}
+        ids = []
+        for model in await app.state.triton.models():
+            ids += [model.name] + [f"{model.name}:{a}" for a in await app.state.triton.adapters(model)]
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": OWNER} for i in ids]}
+
+    async def generator(requested: str, what: str) -> tuple[str, str | None]:
+        """(model, adapter) of a generating model's id: `model`, or `model:adapter` for one of its LoRA adapters."""
+        name, _, adapter = requested.partition(":")
+        await app.state.triton.model(name, "generates", what)
+        return name, adapter or None  # an adapter the model does not have: Triton says so (400)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
-        await app.state.triton.model(body.model, "generates", "chat completions")
+        model, adapter = await generator(body.model, "chat completions")
         if any(not isinstance(m.content, str) and any(p.type == "image_url" for p in m.content)
                for m in body.messages):
             raise OpenAIError(400, "image content parts are not supported yet", "messages")
-        template = tokenizer(body.model)
+        template = tokenizer(model)
         if not template.chat_template:
-            raise OpenAIError(400, f"the model `{body.model}` has no chat template; use /v1/completions", "model")
+            raise OpenAIError(400, f"the model `{model}` has no chat template; use /v1/completions", "model")
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content)} for m in body.messages]
         prompt = template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await complete(body, prompt, chat=True)
+        return await complete(body, model, adapter, prompt, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        await app.state.triton.model(body.model, "generates", "completions")
-        return await complete(body, body.prompt, chat=False)
+        model, adapter = await generator(body.model, "completions")
+        return await complete(body, model, adapter, body.prompt, chat=False)
 
-    async def complete(body: Generation, prompt: str, chat: bool):
+    async def complete(body: Generation, model: str, adapter: str | None, prompt: str, chat: bool):
         budget = body.budget or default_max_tokens
         options = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p), ("seed", body.seed),
-                                     ("min_length", body.min_tokens)) if v is not None}
+                                     ("min_length", body.min_tokens), ("lora_id", adapter)) if v is not None}
         if body.stops:
             options["stop"] = body.stops
         arrays = generation_arrays(prompt, budget, stream=True, **options)
-        deltas = app.state.triton.generate(body.model, arrays)
-        reply = Reply(body.model, chat, tokenizer(body.model), prompt, budget)
+        deltas = app.state.triton.generate(model, arrays)
+        reply = Reply(body.model, chat, tokenizer(model), prompt, budget)
         if not body.stream:
             return reply.whole("".join([delta async for delta in deltas]))
         try:  # the first piece before the response starts: a request Triton refuses gets its HTTP status

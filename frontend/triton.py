@@ -4,6 +4,7 @@ request, or one streamed generation (cancelled with the caller: a client that go
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import uuid
@@ -28,6 +29,10 @@ class ServedModel:
     @property
     def generates(self) -> bool:  # llm, smollm2, vlm: tensorrtllm_backend's generation tensors
         return "text_input" in self.inputs and "text_output" in self.outputs
+
+    @property
+    def takes_adapters(self) -> bool:
+        return self.generates and "lora_action" in self.inputs
 
     @property
     def sees_images(self) -> bool:
@@ -85,6 +90,18 @@ class Triton:
                     raise OpenAIError(400, f"the model `{name}` cannot serve {what}", "model")
                 return model
         raise OpenAIError(404, f"the model `{name}` does not exist or is not ready", "model", "model_not_found")
+
+    async def adapters(self, model: ServedModel) -> list[str]:
+        """The LoRA adapters a generating model can serve (loaded or in its adapter root, not unloaded)."""
+        if not model.takes_adapters:
+            return []
+        try:
+            listing = json.loads("".join([text async for text in self.generate(
+                model.name, {"lora_action": np.array([b"list"], np.object_)})]))
+        except OpenAIError:  # e.g. built without adapters (max_loras 0)
+            return []
+        names = [a["name"] for a in listing["loaded"]] + listing["available"]
+        return [n for n in names if n not in listing["unloaded"]]
 
     async def infer(self, model: str, arrays: dict[str, np.ndarray], outputs: list[str],
                     parameters: dict | None = None) -> dict[str, np.ndarray]:

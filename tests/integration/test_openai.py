@@ -43,13 +43,13 @@ def api(frontend) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0)
 
 
-def direct(server, model: str, prompt: str, max_tokens: int) -> str:
+def direct(server, model: str, prompt: str, max_tokens: int, **options) -> str:
     """The model's greedy text for `prompt` straight from Triton (gRPC stream)."""
     async def go():
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
             return await stream_one(client, model, generation_inputs(grpcclient, prompt, max_tokens,
-                                                                     temperature=0.0))
+                                                                     temperature=0.0, **options))
         finally:
             await client.close()
     timing = asyncio.run(go())
@@ -57,9 +57,22 @@ def direct(server, model: str, prompt: str, max_tokens: int) -> str:
     return timing.text
 
 
-def test_models_lists_the_served_models(api):
+def test_models_lists_the_served_models_and_their_adapters(api):
     names = {m.id for m in api.models.list()}
-    assert {"llm", "smollm2", "clip_text", "whisper"} <= names
+    assert {"llm", "smollm2", "clip_text", "whisper", "smollm2:pirate"} <= names
+    assert not any(n.startswith("llm:") for n in names)  # the tiny llm serves no adapters
+
+
+def test_a_lora_adapter_is_a_model_id(api, server, repository):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Where is the treasure?"}]
+    prompt = AutoTokenizer.from_pretrained(repository / "smollm2" / "1").apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    expected = direct(server, "smollm2", prompt, 16, lora_id="pirate")
+    answer = api.chat.completions.create(model="smollm2:pirate", messages=messages, max_tokens=16, temperature=0)
+    assert answer.choices[0].message.content == expected and answer.model == "smollm2:pirate"
+    assert expected != direct(server, "smollm2", prompt, 16)  # the adapter changes the answer
 
 
 def test_chat_equals_the_model_on_its_own_chat_template(api, server, repository):
@@ -130,6 +143,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(api, server):
 
 @pytest.mark.parametrize("call, status, message", [
     (lambda api: api.completions.create(model="nope", prompt="hi"), 404, "the model `nope` does not exist"),
+    (lambda api: api.completions.create(model="llm:pirate", prompt="hi"), 400, "serves no LoRA adapters"),
+    (lambda api: api.completions.create(model="smollm2:nope", prompt="hi"), 400, "nope"),
     (lambda api: api.completions.create(model="llm", prompt="hi", n=2), 400, "only n=1 is supported"),
     (lambda api: api.completions.create(model="llm", prompt="hi", logprobs=2), 400, "logprobs"),
     (lambda api: api.completions.create(model="llm", prompt="", max_tokens=4), 400, "text_input is empty"),

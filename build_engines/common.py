@@ -118,6 +118,13 @@ def instance_kind(opts: BuildOptions) -> str:
     return {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}.get(opts.device, "KIND_AUTO")
 
 
+def clear_other_layout(opts: BuildOptions, name: str, steps: tuple[str, ...]) -> None:
+    """Switching --ensemble on or off: remove the single model `name`'s folder (its name becomes the ensemble's) or
+    the ensemble's `steps`, whichever this build does not write."""
+    for stale in ([name] if opts.ensemble else steps):
+        shutil.rmtree(opts.repository / stale, ignore_errors=True)
+
+
 def up_to_date(opts: BuildOptions, names: list[str], label: str | None = None) -> bool:
     """Whether every named model was built from this checkpoint, these options and this code (then says so)."""
     for name in names:

@@ -8,7 +8,7 @@ import shutil
 from backends.mm_vlm.model import SIZE, TILES
 from backends.vision.anyres import AnyResParams, image_processor_config, tiler_from_checkpoint
 from backends.vision.llava_vision import VLMParams
-from build_engines.common import BuildOptions, place_checkpoint, up_to_date
+from build_engines.common import BuildOptions, clear_other_layout, place_checkpoint, up_to_date
 from build_engines.llm import LLM_FILES, generation_config
 from build_engines.repository import EnsembleConfig, PythonModelConfig, Tensor, write_engine_metadata
 
@@ -30,17 +30,14 @@ def build_anyres(opts: BuildOptions, name: str | None = None, instances: int = 2
     if (opts.checkpoint / "processor_config.json").exists():
         shutil.copy2(opts.checkpoint / "processor_config.json", version_dir / "processor_config.json")
     opts.write(PythonModelConfig(
-        name, "mm_anyres", [Tensor("image", "BYTES", [1])], anyres_outputs(tiler.tile),
+        name, "mm_anyres", [Tensor("image", "BYTES", [1])],
+        [Tensor("pixel_values", "FP32", [-1, 3, tiler.tile, tiler.tile]), Tensor("num_image_tokens", "INT32", [1]),
+         Tensor("image_size", "INT32", [2])],
         opts.parameters(AnyResParams, prepare_threads=opts.prepare_threads, batch_window=batch_window),
         max_batch_size=0, max_queue_delay_us=None, instances=instances, kind="KIND_CPU"))
     write_engine_metadata(version_dir, runtime="none", fingerprint=opts.fingerprint(name),
                           checkpoint=str(opts.checkpoint.resolve()))
     print(f"{name}: {len(tiler.pinpoints)} grid pinpoints, {tiler.tile} px tiles, {tiler.patch} px patches")
-
-
-def anyres_outputs(tile: int) -> list[Tensor]:
-    return [Tensor("pixel_values", "FP32", [-1, 3, tile, tile]), Tensor("num_image_tokens", "INT32", [1]),
-            Tensor("image_size", "INT32", [2])]
 
 
 def build_vlm(opts: BuildOptions) -> None:
@@ -61,15 +58,12 @@ def build_vlm(opts: BuildOptions) -> None:
     write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
                           fingerprint=opts.fingerprint(engine), checkpoint=str(opts.checkpoint.resolve()))
     anyres = f"{name}_anyres"
+    clear_other_layout(opts, name, (anyres, f"{name}_engine"))
     if opts.ensemble:
         build_anyres(opts, anyres, opts.preprocess_instances, batch_window="adaptive")
-        shutil.rmtree(opts.repository / name, ignore_errors=True)  # an earlier single model's files
         generation = config.inputs[2:]
         opts.write(EnsembleConfig(name, [image, *generation], config.outputs, [
             (anyres, {"image": "image"}, {"pixel_values": TILES, "image_size": SIZE}),
             (engine, {TILES: TILES, SIZE: SIZE, **{t.name: t.name for t in generation}},
              {t.name: t.name for t in config.outputs})], max_batch_size=0))
-    else:
-        for stale in (anyres, f"{name}_engine"):
-            shutil.rmtree(opts.repository / stale, ignore_errors=True)
     print(f"{name}: {opts.checkpoint} ({opts.precision}{', ensemble' if opts.ensemble else ''})")

@@ -3,13 +3,13 @@ the `mm_encoder` backend, and the `clip` scoring pipeline (`mm_clip`)."""
 from __future__ import annotations
 
 import math
-import shutil
 
 import torch
 
 from backends.vision.clip import ClipParams
 from backends.vision.encoders import EncoderParams
-from build_engines.common import BATCH, BuildOptions, Progress, build_engine, instance_kind, up_to_date
+from build_engines.common import (BATCH, BuildOptions, Progress, build_engine, clear_other_layout, instance_kind,
+                                  up_to_date)
 from build_engines.export import EngineSpec
 from build_engines.repository import EnsembleConfig, PythonModelConfig, Tensor, sample_png
 
@@ -94,9 +94,8 @@ def write_image_encoder(opts: BuildOptions, name: str, processor, size: int, out
     preprocess, encoder = f"{name}_preprocess", engine_model(opts, name)
     if labels:
         (opts.repository / encoder / "labels.txt").write_text("\n".join(labels) + "\n")
+    clear_other_layout(opts, name, (preprocess, f"{name}_encoder"))
     if not opts.ensemble:
-        for stale in (preprocess, f"{name}_encoder"):  # the steps of an earlier ensemble build
-            shutil.rmtree(opts.repository / stale, ignore_errors=True)
         opts.write(encoder_config(opts, name, [image], [output], "image"), sample_png())
         return
     processor.save_pretrained(opts.repository / preprocess / "1")
@@ -107,7 +106,6 @@ def write_image_encoder(opts: BuildOptions, name: str, processor, size: int, out
                                  kind=instance_kind(opts) if on_device else "KIND_CPU", warmup_file="image",
                                  priority_levels=opts.priority_levels), sample_png())
     opts.write(encoder_config(opts, encoder, [pixels], [output], None, gpu_inputs=on_device))
-    shutil.rmtree(opts.repository / name, ignore_errors=True)  # an earlier single model's artefacts
     opts.write(EnsembleConfig(name, [image], [output], [(preprocess, {"image": "image"}, {"pixel_values": "pixels"}),
                                                         (encoder, {"pixel_values": "pixels"},
                                                          {output.name: output.name})], opts.max_batch_size))

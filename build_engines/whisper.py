@@ -2,7 +2,6 @@
 transformers' encoder and decoder modules with its own KV cache), served by the `mm_whisper` backend."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +9,8 @@ import torch
 
 from backends.mm_whisper.model import AUDIO
 from backends.whisper.engine import WhisperEngine, WhisperParams
-from build_engines.common import BuildOptions, Progress, instance_kind, place_and_verify, up_to_date
+from build_engines.common import (BuildOptions, Progress, clear_other_layout, instance_kind, place_and_verify,
+                                  up_to_date)
 from build_engines.export import VerificationError
 from build_engines.repository import EnsembleConfig, PythonModelConfig, Tensor, write_engine_metadata
 
@@ -50,14 +50,12 @@ def build_whisper(opts: BuildOptions) -> None:
         write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,
                               fingerprint=opts.fingerprint(engine), checkpoint=str(opts.checkpoint.resolve()))
         steps = (f"{name}_audio", f"{name}_decoder")
+        clear_other_layout(opts, name, steps)
         if not opts.ensemble:
-            for stale in steps:
-                shutil.rmtree(opts.repository / stale, ignore_errors=True)
             return
         opts.write(PythonModelConfig(steps[0], "mm_whisper", [audio], [samples], params, max_batch_size=max_batch,
                                      max_queue_delay_us=opts.max_queue_delay_us, instances=opts.preprocess_instances,
                                      kind="KIND_CPU", priority_levels=opts.priority_levels))
-        shutil.rmtree(opts.repository / name, ignore_errors=True)  # an earlier single model's files
         by_name = {t.name: t.name for t in options}
         opts.write(EnsembleConfig(name, [audio, *options], outputs,
                                   [(steps[0], {"audio": "audio"}, {AUDIO: AUDIO}),

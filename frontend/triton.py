@@ -15,6 +15,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from client.sdk import infer_inputs
 from frontend.errors import OpenAIError, from_triton
 
 
@@ -33,10 +34,6 @@ class ServedModel:
     @property
     def takes_adapters(self) -> bool:
         return self.generates and "lora_action" in self.inputs
-
-    @property
-    def sees_images(self) -> bool:
-        return self.generates and "image" in self.inputs
 
     @property
     def embeds_text(self) -> bool:
@@ -105,7 +102,7 @@ class Triton:
 
     async def infer(self, model: str, arrays: dict[str, np.ndarray], outputs: list[str],
                     parameters: dict | None = None) -> dict[str, np.ndarray]:
-        inputs = [tensor(name, array) for name, array in arrays.items()]
+        inputs = infer_inputs(grpcclient, arrays)
         try:
             result = await self.client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(o)
                                                                      for o in outputs], parameters=parameters)
@@ -117,7 +114,7 @@ class Triton:
                        parameters: dict | None = None) -> AsyncIterator[str]:
         """The text deltas of one streamed generation. Leaving the loop early (the HTTP client went away) cancels
         the gRPC stream, and with it the request in Triton."""
-        inputs = [tensor(name, array) for name, array in arrays.items()]
+        inputs = infer_inputs(grpcclient, arrays)
         finished = asyncio.Event()
 
         async def requests():
@@ -142,11 +139,3 @@ class Triton:
             if not finished.is_set():  # left early (the HTTP client went away, or an error): Triton cancels it
                 finished.set()
                 stream.cancel()
-
-
-def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
-    dtype = "BYTES" if array.dtype == np.object_ else {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
-                                                        np.dtype(np.float32): "FP32", np.dtype(bool): "BOOL"}[array.dtype]
-    infer_input = grpcclient.InferInput(name, list(array.shape), dtype)
-    infer_input.set_data_from_numpy(array)
-    return infer_input

@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
@@ -79,24 +79,31 @@ async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec, ext
     """Warm-up round, then `spec.requests` requests from `spec.concurrency` closed-loop workers. `extra`: optional
     generation inputs; `tensors`: more inputs sent as they are with every request (the `vlm`'s image)."""
     client = grpcclient.InferenceServerClient(url)
+
+    async def send(i: int) -> StreamTiming:
+        inputs = generation_inputs(grpcclient, prompts[i % len(prompts)], spec.output_tokens,
+                                   **(extra or {})) + infer_inputs(grpcclient, tensors or {})
+        return await stream_one(client, model, inputs)
     try:
-        async def drive(count: int) -> list[StreamTiming]:
-            queue = iter(range(count))
-            results: list[StreamTiming] = []
-
-            async def worker():
-                for i in queue:
-                    inputs = generation_inputs(grpcclient, prompts[i % len(prompts)], spec.output_tokens,
-                                               **(extra or {})) + infer_inputs(grpcclient, tensors or {})
-                    results.append(await stream_one(client, model, inputs))
-
-            await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
-            return results
-
-        await drive(spec.concurrency)
-        return await drive(spec.requests)
+        return await closed_loop(send, spec)
     finally:
         await client.close()
+
+
+async def closed_loop(send: Callable[[int], Awaitable[StreamTiming]], spec: LoadSpec) -> list[StreamTiming]:
+    """A warm-up round of `spec.concurrency` requests, then the `spec.requests` measured ones, each worker of
+    `spec.concurrency` sending its next one (`send(i)`: the i-th) as soon as its last one ended."""
+    async def drive(count: int) -> list[StreamTiming]:
+        queue, results = iter(range(count)), []
+
+        async def worker():
+            for i in queue:
+                results.append(await send(i))
+        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+        return results
+
+    await drive(spec.concurrency)
+    return await drive(spec.requests)
 
 
 def summarize(timings: list[StreamTiming], count_tokens: Callable[[str], int] | None = None) -> dict[str, float]:

@@ -15,13 +15,13 @@ import urllib.request
 from pathlib import Path
 
 from backends.server import TritonServer, free_port
-from perf.llm import LoadSpec, StreamTiming, make_prompts, run_load, summarize
+from perf.llm import LoadSpec, StreamTiming, closed_loop, make_prompts, run_load, summarize
 from perf.report import bench_arguments, hardware_line, write_table
 
 
 async def openai_load(base_url: str, model: str, prompts: list[str], spec: LoadSpec,
                       sdk: bool = True) -> list[StreamTiming]:
-    """perf.llm.run_load's closed loop, each request a streamed /v1/completions: through the official `openai`
+    """perf.llm.closed_loop, each request a streamed /v1/completions: through the official `openai`
     client (`sdk`), or read as plain Server-Sent Events (httpx2, which that client is built on; json per line)."""
     import httpx2
     import openai
@@ -57,17 +57,8 @@ async def openai_load(base_url: str, model: str, prompts: list[str], spec: LoadS
         timing.ended, timing.text = time.perf_counter(), "".join(pieces)
         return timing
 
-    async def drive(count: int) -> list[StreamTiming]:
-        queue, results = iter(range(count)), []
-
-        async def worker():
-            for i in queue:
-                results.append(await one(prompts[i % len(prompts)]))
-        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
-        return results
     try:
-        await drive(spec.concurrency)  # warm-up
-        return await drive(spec.requests)
+        return await closed_loop(lambda i: one(prompts[i % len(prompts)]), spec)
     finally:
         await client.close()
         await http.aclose()

@@ -139,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["vit", "clip_vision"])
     parser.add_argument("--image-sets", nargs="+", choices=sorted(IMAGE_SETS), default=["thumbnails", "mixed"])
     parser.add_argument("--label", help="results are named <date>-ensembles-LABEL")
+    parser.add_argument("--stages", action="store_true",
+                        help="also time each stage of a batch in process (perf.encoder_stages) for every variant")
     args = parser.parse_args(argv)
     variants = [Variant(name, Path(path)) for name, _, path in (v.partition("=") for v in args.variant)]
     hardware = hardware_line("2.51.0")
-    summary, rows, notes = [], [], []
+    summary, rows, notes, stages = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for model in args.models:
@@ -170,7 +172,30 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{model} {image_set} {v.name}: peak {peak.throughput:.1f} images/s at {peak.load:g}, "
                           f"in-process {in_process:.1f}", flush=True)
             write_results(args, argv, variants, summary, rows, notes, hardware)
+            if args.stages:
+                stages += stage_rows(variants, model, args.image_sets)
+                write_table(args.results / args.host, "ensembles" + (f"-{args.label}" if args.label else "") +
+                            "-stages", ["model", "image set", "variant", "batch", "stage", "ms per batch",
+                                        "images/s"], stages, hardware,
+                            ["One process, the device synchronised after each stage (perf/encoder_stages.py)."])
     return 0
+
+
+def stage_rows(variants: list[Variant], model: str, image_sets: list[str]) -> list[list]:
+    from perf.encoder_stages import profile
+
+    rows = []
+    for v in variants:
+        on_device = EncoderParams.from_model_config(v.preprocess_config(model)).preprocess_on_device
+        for image_set in image_sets:
+            for batch in (16, 64):
+                stages = profile(v.engine_folder(model), model, image_set, batch, on_device, 10,
+                                 v.preprocess_folder(model) / "1")
+                rows += [[model, image_set, v.name, batch, name, round(ms, 2), round(batch / ms * 1e3)]
+                         for name, ms in stages.items()]
+                print("\n".join(f"{model} {image_set} {v.name} {batch}: {r[4]} {r[5]} ms" for r in rows[-len(stages):]),
+                      flush=True)
+    return rows
 
 
 if __name__ == "__main__":

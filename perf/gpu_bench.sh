@@ -35,8 +35,9 @@
 #   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10");
 #   "ensembles": perf.ensemble_bench for each of MODELS, one run, ViT-B/16-224 fp16 / CLIP ViT-L/14-336 bf16 as in
 #   "images", ENSEMBLE_VARIANTS ("single ensemble device") side by side: single, the model alone; ensemble, CPU
-#   preprocessing (ENSEMBLE_INSTANCES, 4, instances x nproc threads); device, preprocessing on the GPU (2 instances);
-#   device-x2, that with 2 encoder instances; ENSEMBLE_ARGS: more arguments, e.g. "--image-sets thumbnails
+#   preprocessing (ENSEMBLE_INSTANCES, 4, instances x nproc threads); device, preprocessing on the GPU
+#   (DEVICE_INSTANCES, 2);
+#   device-x2, that with 2 encoder instances; single-device, the model alone with preprocessing on the GPU; ENSEMBLE_ARGS: more arguments, e.g. "--image-sets thumbnails
 #   --concurrency 16 64 --label x")
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
@@ -95,13 +96,16 @@ if [[ " ${SCENARIOS:-images} " == *" images "* ]]; then
     --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-1500}" --skip-batching-study --skip-llm
 fi
 if [[ " ${SCENARIOS:-images} " == *" ensembles "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_graphs.py tests/unit/test_device_images.py
   variants=()
   for variant in ${ENSEMBLE_VARIANTS:-single ensemble device}; do
     repo="$WORK/ensembles/$variant" flags=()
     case "$variant" in
+      single-device) flags=(--preprocess-on-device true) ;;
       ensemble) flags=(--ensemble --preprocess-instances "${ENSEMBLE_INSTANCES:-4}") ;;
-      device) flags=(--ensemble --preprocess-instances 2 --preprocess-on-device true) ;;
-      device-x2) flags=(--ensemble --preprocess-instances 2 --preprocess-on-device true --instances 2) ;;
+      device) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true) ;;
+      device-x2) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true \
+                        --instances 2) ;;
     esac
     for model in ${MODELS:-vit clip_vision}; do
       case "$model" in

@@ -62,7 +62,9 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
 class TorchRuntime(Runtime):
     name = "torch"
 
-    def __init__(self, path: Path, output_names: list[str], device: str = "auto", compile: bool = False):
+    def __init__(self, path: Path, output_names: list[str], device: str = "auto", compile: bool = False,
+                 graph_batch: int = 0):
+        """`graph_batch`: on CUDA, replay batches up to this size from CUDA graphs (0: never)."""
         import torch
 
         if device == "auto":
@@ -73,11 +75,17 @@ class TorchRuntime(Runtime):
         program = torch.export.load(str(path))
         self.input_names = [spec.arg.name for spec in program.graph_signature.input_specs
                             if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
-        exported = {node.name: node.meta["val"].dtype for node in program.graph.nodes if node.op == "placeholder"}
-        self.input_dtypes = [exported[name] for name in self.input_names]  # each input as the program was traced
+        exported = {node.name: node.meta["val"] for node in program.graph.nodes if node.op == "placeholder"}
+        self.input_dtypes = [exported[name].dtype for name in self.input_names]  # each input as the program was traced
         self.output_names = output_names  # a torch.export program's outputs carry no names
         module = program.module().to(device)
         self.module = torch.compile(module, dynamic=True) if compile else module
+        shapes = [tuple(exported[name].shape[1:]) for name in self.input_names]
+        if graph_batch and device.startswith("cuda") and all(type(d) is int for s in shapes for d in s):
+            from backends.core.cuda_graphs import try_graphs
+
+            self.module = try_graphs(self.module, shapes, self.input_dtypes, torch.device(device),
+                                     graph_batch) or self.module
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self.torch
@@ -144,8 +152,10 @@ def available_runtimes(version_dir: Path) -> list[str]:
     return [name for name in PREFERENCE if (version_dir / ARTEFACTS[name]).exists()]
 
 
-def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "auto", compile: bool = False) -> Runtime:
-    """Open the engine in a model version folder; `runtime="auto"` takes the fastest artefact present."""
+def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "auto", compile: bool = False,
+                 graph_batch: int = 0) -> Runtime:
+    """Open the engine in a model version folder; `runtime="auto"` takes the fastest artefact present;
+    `compile` and `graph_batch` (CUDA graphs up to that batch; inputs of fixed shape only) apply to the torch one."""
     version_dir = Path(version_dir)
     present = available_runtimes(version_dir)
     if runtime == "auto":
@@ -162,5 +172,5 @@ def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "
         return OnnxRuntime(path, device)
     if runtime == "torch":
         meta = json.loads((version_dir / "engine.json").read_text())
-        return TorchRuntime(path, meta["outputs"], device, compile)
+        return TorchRuntime(path, meta["outputs"], device, compile, graph_batch)
     return TensorRTRuntime(path)

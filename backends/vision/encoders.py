@@ -27,6 +27,8 @@ class EncoderParams(BatchingParams):
     runtime: str = choice("auto", *RUNTIMES)  # auto: the artefact present in the version folder
     device: str = device()
     torch_compile: bool = False
+    # on CUDA, batches up to this size replay CUDA graphs (image encoders; a text's length varies); 0: op by op
+    cuda_graph_batch: int = bounded(64, 0, 1024)
     prepare_threads: int = bounded(4, 1, 256)  # decode/preprocess threads per instance
     max_pixels: int = bounded(DEFAULT_MAX_PIXELS, 1)  # larger images are refused before decoding
     # image models: decode (nvJPEG on CUDA) and resize on the model's device, as torch tensors (pixels within
@@ -55,7 +57,8 @@ def prepare_requests(encoder, pool: Executor, requests: list[list[bytes]]) -> li
 
 
 def load_engine(version_dir: Path, params: EncoderParams, device: str | None) -> Runtime:
-    return load_runtime(version_dir, params.runtime, device or params.device, params.torch_compile)
+    return load_runtime(version_dir, params.runtime, device or params.device, params.torch_compile,
+                        params.cuda_graph_batch)
 
 
 class ImageEncoder:

@@ -147,9 +147,17 @@ def tiny_clip(out: Path, text: dict = TINY_CLIP_TEXT, vision: dict = TINY_CLIP_V
 TINY_LLAVA_TILE = 56  # 4 x 4 patches of 14 px per tile
 
 
+# LLaVA's conversation format (USER: / ASSISTANT:); an image part becomes the placeholder, as in LLaVA's templates
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].upper() + ': ' }}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ '<image>\\n' }}{% else %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
 def llava_next_tokenizer():
     tokenizer = byte_level_tokenizer(TINY_LLM_WORDS, add_bos=True)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -175,7 +183,8 @@ def save_llava_next_processor(out: Path, tokenizer, tile: int, pinpoints: list[l
 
 
 def tiny_llava_next(out: Path) -> Path:
-    """A LLaVA-NeXT-shaped model: tiny CLIP vision tower (56 px tiles), 2-layer projector, tiny Llama, `<image>`."""
+    """A LLaVA-NeXT-shaped model: tiny CLIP vision tower (56 px tiles), 2-layer projector, tiny Llama, `<image>`,
+    LLaVA's chat template."""
     import torch
     from transformers import LlavaNextForConditionalGeneration
 

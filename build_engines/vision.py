@@ -14,9 +14,25 @@ from build_engines.export import EngineSpec
 from build_engines.repository import EnsembleConfig, PythonModelConfig, Tensor, sample_png
 
 
+UNPADDED = "sdpa_unpadded"  # transformers' SDPA attention, and no attention mask
+
+
+def attend_without_mask(model) -> None:
+    """Images are never padded, yet a transformers ViT traced for export builds an all-true [B, 1, T, T] attention
+    mask (while exporting it cannot tell the mask is not needed), and a mask keeps SDPA off its flash kernel.
+    Registers SDPA attention whose mask is None and switches `model` to it."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(UNPADDED, sdpa_attention_forward)
+    AttentionMaskInterface.register(UNPADDED, lambda *args, **kwargs: None)
+    model.set_attn_implementation(UNPADDED)
+
+
 class ViTLogits(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
+        attend_without_mask(model)
         self.model = model
 
     def forward(self, pixel_values):

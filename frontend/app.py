@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from client.sdk import generation_arrays
 from frontend.errors import OpenAIError
 from frontend.schemas import ChatRequest, CompletionRequest, EmbeddingRequest, Generation
-from frontend.triton import Triton
+from frontend.triton import ServedModel, Triton
 
 OWNER = "triton-multimodal"
 TRANSCRIPTION_FORMATS = ("json", "text")
@@ -73,38 +73,47 @@ def create_app(triton_url: str, repository: Path, default_max_tokens: int = 512,
             ids += [model.name] + [f"{model.name}:{a}" for a in await app.state.triton.adapters(model)]
         return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": OWNER} for i in ids]}
 
-    async def generator(requested: str, what: str) -> tuple[str, str | None]:
+    async def generator(requested: str, what: str) -> tuple[ServedModel, str | None]:
         """(model, adapter) of a generating model's id: `model`, or `model:adapter` for one of its LoRA adapters."""
         name, _, adapter = requested.partition(":")
-        await app.state.triton.model(name, "generates", what)
-        return name, adapter or None  # an adapter the model does not have: Triton says so (400)
+        # an adapter the model does not have: Triton says so (400)
+        return await app.state.triton.model(name, "generates", what), adapter or None
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
-        model, adapter = await generator(body.model, "chat completions")
-        if any(not isinstance(m.content, str) and any(p.type == "image_url" for p in m.content)
-               for m in body.messages):
-            raise OpenAIError(400, "image content parts are not supported yet", "messages")
+        served, adapter = await generator(body.model, "chat completions")
+        model = served.name
+        images = [p.image_url.url for m in body.messages if not isinstance(m.content, str)
+                  for p in m.content if p.type == "image_url"]
+        if images and not served.sees_images:
+            raise OpenAIError(400, f"the model `{model}` takes no images", "messages")
+        if served.sees_images and len(images) != 1:
+            raise OpenAIError(400, f"the model `{model}` takes exactly one image per request, in an image_url part "
+                                   f"(the messages hold {len(images)})", "messages")
         template = tokenizer(model)
         if not template.chat_template:
             raise OpenAIError(400, f"the model `{model}` has no chat template; use /v1/completions", "model")
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                     else "".join(p.text for p in m.content)} for m in body.messages]
+        messages = [{"role": m.role, "content": template_content(m.content)} for m in body.messages]
         prompt = template.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return await complete(body, model, adapter, prompt, chat=True)
+        return await complete(body, model, adapter, prompt, chat=True,
+                              image=data_url_bytes(images[0]) if images else None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        model, adapter = await generator(body.model, "completions")
-        return await complete(body, model, adapter, body.prompt, chat=False)
+        served, adapter = await generator(body.model, "completions")
+        if served.sees_images:
+            raise OpenAIError(400, f"the model `{served.name}` needs an image: use /v1/chat/completions with an "
+                                   "image_url part", "model")
+        return await complete(body, served.name, adapter, body.prompt, chat=False)
 
-    async def complete(body: Generation, model: str, adapter: str | None, prompt: str, chat: bool):
+    async def complete(body: Generation, model: str, adapter: str | None, prompt: str, chat: bool,
+                       image: bytes | None = None):
         budget = body.budget or default_max_tokens
         options = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p), ("seed", body.seed),
                                      ("min_length", body.min_tokens), ("lora_id", adapter)) if v is not None}
         if body.stops:
             options["stop"] = body.stops
-        arrays = generation_arrays(prompt, budget, stream=True, **options)
+        arrays = generation_arrays(prompt, budget, stream=True, image=image, **options)
         deltas = app.state.triton.generate(model, arrays)
         reply = Reply(body.model, chat, tokenizer(model), prompt, budget)
         if not body.stream:
@@ -160,6 +169,28 @@ def create_app(triton_url: str, repository: Path, default_max_tokens: int = 512,
         return await speech("translate", file, model, None, response_format, temperature)
 
     return app
+
+
+def template_content(content: str | list) -> str | list[dict]:
+    """A message's content as chat templates take it: text parts joined; with an image, the parts in order (the
+    image as {"type": "image"}, which LLaVA's templates turn into the image placeholder)."""
+    if isinstance(content, str):
+        return content
+    if all(p.type == "text" for p in content):
+        return "".join(p.text for p in content)
+    return [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in content]
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The file in a `data:[<media type>];base64,<data>` URL (this server fetches nothing from the network)."""
+    head, comma, data = url.partition(",")
+    if not (url.startswith("data:") and comma and head.endswith(";base64")):
+        raise OpenAIError(400, "image_url: only base64 data: URLs (data:image/jpeg;base64,...) are accepted; this "
+                               "server fetches nothing from the network", "messages")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:
+        raise OpenAIError(400, "image_url: the data: URL is not valid base64", "messages") from None
 
 
 class BodyLimit:

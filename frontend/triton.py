@@ -32,6 +32,10 @@ class ServedModel:
         return "text_input" in self.inputs and "text_output" in self.outputs
 
     @property
+    def sees_images(self) -> bool:  # vlm: one encoded image with the prompt
+        return self.generates and "image" in self.inputs
+
+    @property
     def takes_adapters(self) -> bool:
         return self.generates and "lora_action" in self.inputs
 

@@ -4,6 +4,7 @@ disconnects mid-stream frees its KV blocks; bad requests get OpenAI's error body
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import time
@@ -18,7 +19,7 @@ from backends.server import free_port
 from client.sdk import Client, generation_inputs
 from frontend.app import create_app
 from perf.llm import stream_one
-from tests.conftest import wav
+from tests.conftest import encode, random_image, wav
 from tests.integration.test_llm import metric
 
 
@@ -44,7 +45,7 @@ def api(frontend) -> openai.OpenAI:
 
 
 def direct(server, model: str, prompt: str, max_tokens: int, **options) -> str:
-    """The model's greedy text for `prompt` straight from Triton (gRPC stream)."""
+    """The model's greedy text for `prompt` (and `image=` for vlm) straight from Triton (gRPC stream)."""
     async def go():
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
@@ -94,6 +95,25 @@ def test_chat_equals_the_model_on_its_own_chat_template(api, server, repository)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
+def test_an_image_chat_equals_vlm_on_its_chat_template(api, server, repository):
+    from transformers import AutoTokenizer
+
+    photo = encode(random_image(150, 90, seed=7), "JPEG")
+    url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+    prompt = AutoTokenizer.from_pretrained(repository / "vlm" / "1").apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert prompt.count("<image>") == 1
+    expected = direct(server, "vlm", prompt, 16, image=photo)
+    assert expected
+    whole = api.chat.completions.create(model="vlm", messages=messages, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.content == expected
+    chunks = api.chat.completions.create(model="vlm", messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+
+
 def test_completion_equals_the_model_streamed_and_not(api, server):
     expected = direct(server, "llm", "a photo of the cat", 12)
     whole = api.completions.create(model="llm", prompt="a photo of the cat", max_tokens=12, temperature=0)
@@ -141,6 +161,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(api, server):
     assert metric(server, "llm_kv_blocks_free") == idle
 
 
+def image_message(url: str) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": "What is it?"}]}
+
+
+IMAGE_MESSAGE = image_message("data:image/png;base64," + base64.b64encode(encode(random_image(20, 20))).decode())
+
+
 @pytest.mark.parametrize("call, status, message", [
     (lambda api: api.completions.create(model="nope", prompt="hi"), 404, "the model `nope` does not exist"),
     (lambda api: api.completions.create(model="llm:pirate", prompt="hi"), 400, "serves no LoRA adapters"),
@@ -153,6 +181,18 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(api, server):
     (lambda api: api.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hi"}]), 400,
      "has no chat template"),
     (lambda api: api.embeddings.create(model="llm", input="hi"), 400, "cannot serve embeddings"),
+    (lambda api: api.chat.completions.create(model="smollm2", messages=[IMAGE_MESSAGE]), 400, "takes no images"),
+    (lambda api: api.chat.completions.create(model="vlm", messages=[{"role": "user", "content": "hi"}]), 400,
+     "takes exactly one image per request"),
+    (lambda api: api.chat.completions.create(model="vlm", messages=[IMAGE_MESSAGE, IMAGE_MESSAGE]), 400,
+     "(the messages hold 2)"),
+    (lambda api: api.chat.completions.create(model="vlm", messages=[image_message("https://example.com/a.jpg")]),
+     400, "only base64 data: URLs"),
+    (lambda api: api.chat.completions.create(model="vlm", messages=[image_message("data:image/png;base64,!!")]),
+     400, "not valid base64"),
+    (lambda api: api.chat.completions.create(model="vlm", messages=[image_message("data:image/png;base64,aGk=")]),
+     400, "invalid input"),
+    (lambda api: api.completions.create(model="vlm", prompt="hi"), 400, "needs an image"),
     (lambda api: api.audio.transcriptions.create(model="whisper", file=("x.wav", b"not audio")), 400,
      "invalid input: audio bytes"),
     (lambda api: api.audio.transcriptions.create(model="whisper", file=("x.wav", b"x"), response_format="srt"), 400,

@@ -110,6 +110,12 @@ def test_vit_engines_match_reference(tmp_path, vit_checkpoint, runtime, precisio
     assert meta["precision"] == precision and meta["max_error_vs_torch"] <= atol
     encoder = ImageEncoder(version_dir)
     assert encoder.engine.name == runtime
+    if runtime == "torch":  # attention without a mask (images are never padded): SDPA may take its flash kernel
+        import torch
+
+        program = torch.export.load(str(version_dir / "model.pt2"))
+        attention = [n for n in program.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+        assert attention and all(len(n.args) == 3 and "attn_mask" not in n.kwargs for n in attention)
     images = [encode(random_image(320, 240, seed=s)) for s in range(3)]
     (got,) = encoder.infer([[encoder.prepare_item(x) for x in images]])
     np.testing.assert_allclose(got, vit_logits(vit_checkpoint, images), atol=atol)

@@ -116,8 +116,10 @@ class Triton:
 
     async def generate(self, model: str, arrays: dict[str, np.ndarray],
                        parameters: dict | None = None) -> AsyncIterator[str]:
-        """The text deltas of one streamed generation. Leaving the loop early (the HTTP client went away) cancels
-        the gRPC stream, and with it the request in Triton."""
+        """The text deltas of one streamed generation. Deltas that arrived while the caller was busy come merged
+        into one (under load the frontend then writes one event for several tokens, as Triton's own outbox merges
+        its sends). Leaving the loop early (the HTTP client went away) cancels the gRPC stream, and with it the
+        request in Triton."""
         inputs = infer_inputs(grpcclient, arrays)
         finished = asyncio.Event()
 
@@ -127,19 +129,49 @@ class Triton:
             await finished.wait()  # the stream stays open until the final response
 
         stream = self.client.stream_infer(requests())
-        try:
-            async for result, error in stream:
-                if error is not None:
-                    raise from_triton(error)
-                output = result.as_numpy("text_output")
-                if output is not None and output.size:
-                    text = output.reshape(-1)[0].decode("utf-8", errors="replace")
+        received: asyncio.Queue[str | Exception | None] = asyncio.Queue()  # None: the final response
+
+        async def read() -> None:
+            try:
+                async for result, error in stream:
+                    if error is not None:
+                        raise from_triton(error)
+                    response = result.get_response()
+                    text = text_output(response)
                     if text:
-                        yield text
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    finished.set()  # the request iterator ends, the server closes the stream
+                        received.put_nowait(text)
+                    if response.parameters["triton_final_response"].bool_param:
+                        finished.set()  # the request iterator ends, the server closes the stream
+                        break
+            except Exception as e:  # handed to the consumer, which raises it
+                received.put_nowait(e)
+            received.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                items = [await received.get()]
+                while not received.empty():
+                    items.append(received.get_nowait())
+                texts = [i for i in items if isinstance(i, str)]
+                if texts:
+                    yield "".join(texts)
+                for item in items:
+                    if isinstance(item, Exception):
+                        raise item
+                if items[-1] is None:
                     return
         finally:
             if not finished.is_set():  # left early (the HTTP client went away, or an error): Triton cancels it
                 finished.set()
                 stream.cancel()
+            reader.cancel()
+
+
+def text_output(response) -> str:
+    """`text_output` of a streamed response, read from the protobuf (a BYTES [1] tensor: a 4-byte length, then
+    UTF-8), without building numpy arrays for each token."""
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.name == "text_output":
+            return raw[4:].decode("utf-8", errors="replace")
+    return ""

@@ -36,17 +36,23 @@ def read_export(path: Path) -> dict[str, float]:
 
 
 def run_genai_perf(url: str, model: str, spec: LoadSpec, tokenizer: Path, workdir: Path,
-                   interval_ms: int = 4000) -> dict[str, float]:
-    """One genai-perf profile at `spec`'s concurrency and lengths (deterministic output length)."""
+                   interval_ms: int = 4000, openai_chat: bool = False) -> dict[str, float]:
+    """One genai-perf profile at `spec`'s concurrency and lengths (deterministic output length): on Triton's gRPC
+    streaming at `url`, or with `openai_chat` on the OpenAI frontend's streamed /v1/chat/completions there (the
+    length forced with its min_tokens extension)."""
     perf_analyzer_dir = Path(sys.prefix) / "bin"
     env = dict(os.environ, PATH=f"{perf_analyzer_dir}:{os.environ['PATH']}")
-    cmd = [str(GENAI_PERF.resolve()), "profile", "-m", model, "--service-kind", "triton", "--backend", "tensorrtllm",
+    service = ["--service-kind", "openai", "--endpoint-type", "chat", "--extra-inputs",
+               f"min_tokens:{spec.output_tokens}"] if openai_chat else \
+        ["--service-kind", "triton", "--backend", "tensorrtllm", "--output-tokens-mean-deterministic"]
+    cmd = [str(GENAI_PERF.resolve()), "profile", "-m", model, *service,
            "--streaming", "-u", url, "--concurrency", str(spec.concurrency),
            "--synthetic-input-tokens-mean", str(spec.input_tokens), "--synthetic-input-tokens-stddev", "0",
-           "--output-tokens-mean", str(spec.output_tokens), "--output-tokens-mean-deterministic",
+           "--output-tokens-mean", str(spec.output_tokens),
            "--tokenizer", str(tokenizer.resolve()), "--num-prompts", str(max(spec.requests, 16)),
-           "--measurement-interval", str(interval_ms), "--artifact-dir", str(workdir.resolve()),
-           "--", "--stability-percentage", "100", "--max-trials", "3"]
+           "--measurement-interval", str(interval_ms), "--artifact-dir", str(workdir.resolve())]
+    if not openai_chat:  # perf_analyzer's HTTP client for OpenAI keeps genai-perf's own settings (stability 999%)
+        cmd += ["--", "--stability-percentage", "100", "--max-trials", "3"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=workdir.parent)
     if run.returncode != 0:
         raise RuntimeError(f"genai-perf failed ({run.returncode}): {' '.join(cmd)}\n{run.stdout[-2000:]}"

@@ -209,7 +209,7 @@ class TritonServer:
         self.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Run tritonserver on a model repository (foreground).")
     parser.add_argument("--repository", default="model_repository")
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU 0's pool for tensors passed on the GPU (ensembles built with --preprocess-on-device "
                         "true need more than Triton's 64 MB: 2048 serves batches of 64 pixel tensors)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     server = TritonServer(Path(args.repository), args.http_port, args.grpc_port, args.metrics_port,
                           Path(args.log_file), args.model_control, args.load_model, startup_timeout_s=args.timeout,
                           cuda_memory_pool_mb=args.cuda_memory_pool_mb)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from backends.core.health import HealthParams
 from backends.core.params import Parameters
 from backends.llm.engine import EngineConfig
 from backends.sam.engine import SamParams
@@ -17,18 +18,20 @@ from build_engines.checkpoints import RANDOM_INIT, TINY_ROOT, random_init_checkp
 from build_engines.common import BuildOptions
 from build_engines.gguf import PRETRAINED, convert_gguf, pretrained_checkpoint
 from build_engines.llava import build_anyres, build_vlm
+from build_engines.health import build_health
 from build_engines.llm import build_llm
 from build_engines.sam import build_sam
 from build_engines.vision import build_clip, build_vit
 from build_engines.whisper import build_whisper
 
 FAMILIES = {"vit": build_vit, "clip": build_clip, "llm": build_llm, "anyres": build_anyres, "vlm": build_vlm,
-            "whisper": build_whisper, "sam": build_sam}
+            "whisper": build_whisper, "sam": build_sam, "health": build_health}
+NO_CHECKPOINT = {"health"}
 DEFAULT_RUNTIME = {"vit": "onnxruntime", "clip": "onnxruntime", "llm": "torch", "anyres": "torch", "vlm": "torch",
-                   "whisper": "torch", "sam": "onnxruntime"}
+                   "whisper": "torch", "sam": "onnxruntime", "health": "torch"}
 SCHEMAS: dict[str, type[Parameters]] = {"vit": EncoderParams, "clip": EncoderParams, "llm": EngineConfig,
                                          "anyres": AnyResParams, "vlm": VLMParams, "whisper": WhisperParams,
-                                         "sam": SamParams}
+                                         "sam": SamParams, "health": HealthParams}
 SET_BY_OPTIONS = {"runtime", "device", "dtype", "prepare_threads"}  # --runtime, --device, --precision, --prepare-threads
 
 
@@ -46,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m build_engines", description=__doc__)
     parser.add_argument("model", choices=[*FAMILIES, "all"], help="model family (clip builds clip_vision, clip_text "
                         "and the clip pipeline)")
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()  # required but for the models without weights (health)
     source.add_argument("--checkpoint", type=Path, help="local Hugging Face checkpoint directory, or a GGUF file "
                         f"(converted once into {TINY_ROOT}/gguf-NAME)")
     source.add_argument("--tiny", action="store_true", help=f"random-init tiny model (saved under {TINY_ROOT}/)")
@@ -100,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         tuning.add_argument("--" + name.replace("_", "-"), dest=f"param_{name}", metavar="VALUE",
                             help=f"for {', '.join(families)}")
     args = parser.parse_args(argv)
+    if args.model not in NO_CHECKPOINT and not (args.checkpoint or args.tiny or args.random_init or args.pretrained):
+        parser.error("one of the arguments --checkpoint --tiny --random-init --pretrained is required")
     if args.checkpoint and args.model == "all":
         parser.error("--checkpoint needs one model family, not 'all'")
     if args.name and args.model == "all":
@@ -144,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     families = list(FAMILIES) if args.model == "all" else [args.model]
     for family in families:
-        if args.random_init:
+        if family in NO_CHECKPOINT:
+            checkpoint = None
+        elif args.random_init:
             checkpoint = random_init_checkpoint(args.random_init)[1]
         elif args.pretrained:
             checkpoint = pretrained_checkpoint(args.pretrained)[1]

@@ -40,7 +40,7 @@ P = TypeVar("P", bound=Parameters)
 
 @dataclass(frozen=True)
 class BuildOptions:
-    checkpoint: Path
+    checkpoint: Path | None  # None: a model without weights (health)
     runtime: str = "onnxruntime"
     precision: str = "fp32"
     repository: Path = Path("model_repository")

@@ -95,6 +95,7 @@ def repository(vit_checkpoint, clip_checkpoint, llm_checkpoint, llava_checkpoint
     assert build_engines(["llm", "--checkpoint", str(smollm2_checkpoint), "--name", "smollm2", "--max-loras", "4",
                           "--repository", str(REPOSITORY)]) == 0
     assert build_lora_adapters([str(REPOSITORY / "smollm2" / "1" / "adapters")]) == 0
+    assert build_engines(["health", "--repository", str(REPOSITORY)]) == 0
     return REPOSITORY
 
 

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 
 from backends.core.batcher import Batcher, BatchWindow, Job, answer
 from backends.core.errors import InjectedFault, InvalidInput, NotFound, Unavailable
+from backends.core.heartbeat import Heartbeat
 from backends.core.inputs import Inputs, check_request_parameters
 from backends.core.metrics import CustomMetrics, QosMetrics
 from backends.core.params import Parameters
@@ -32,7 +33,7 @@ P = TypeVar("P", bound=Parameters)
 
 # Fault injection for tests: with this variable set to 1 in the server's environment, a request parameter
 # `inject_fault` naming a stage ("read", "prepare", "infer"; "sample" in the LLM engine) makes that request raise an
-# unexpected error there.
+# unexpected error there; "stall" hangs an LLM engine loop for a while (its heartbeat goes silent).
 FAULTS_ENV = "MM_FAULT_INJECTION"
 FAULT_PARAMETER = "inject_fault"
 # our batcher's metrics (Triton's statistics count one execution per request when it batches)
@@ -158,8 +159,9 @@ class BatchedBackend(TritonBackend[P]):
             self.qos_metrics = QosMetrics(self.pb, self.labels, CLASSES, REJECTIONS)
             self.batch_metrics = CustomMetrics(self.pb, self.labels, BATCHER_GAUGES, BATCHER_COUNTERS)
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
-            self.batcher = Batcher(self._run_jobs, max_batch, window,
-                                   name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics)
+            self.heartbeat = Heartbeat(self.name)  # the `health` model watches the batcher's loop through it
+            self.batcher = Batcher(self._run_jobs, max_batch, window, name=f"{self.name}-batcher",
+                                   setup=self.load, after=self._update_metrics, beat=self.heartbeat.beat)
 
     def load(self) -> None:
         """Load the engine (called by setup, after the pool exists; on our batcher's thread when it batches)."""
@@ -301,6 +303,7 @@ class BatchedBackend(TritonBackend[P]):
     def finalize(self) -> None:
         if self.batcher is not None:
             self.batcher.close()  # waiting requests refused; those still preparing are refused by `_prepare_job`
+            self.heartbeat.stop()
             self.pool.shutdown(wait=True)
             self.qos_metrics.close()
             self.batch_metrics.close()

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from backends.core.errors import Unavailable
+from backends.core.heartbeat import IDLE_WAKE_S
 from backends.core.params import bounded, choice
 from backends.core.qos import QosParams, Ticket
 
@@ -108,9 +109,11 @@ class Batcher:
 
     def __init__(self, run: Callable[[list[Job]], list[Any]], max_batch: int, window: BatchWindow,
                  name: str = "batcher", setup: Callable[[], None] = lambda: None,
-                 after: Callable[[], None] = lambda: None):
+                 after: Callable[[], None] = lambda: None, beat: Callable[[], None] = lambda: None):
+        """`beat`: called on every pass of the loop, idle ones too (at least every IDLE_WAKE_S)."""
         self._run = run
         self._after = after
+        self._beat = beat
         self.max_batch = max_batch
         self.window = window
         self._jobs: list[Job] = []
@@ -144,6 +147,7 @@ class Batcher:
     # --- the batcher thread -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
+            self._beat()
             if batch:  # empty when every waiting job had timed out
                 self._run_batch(batch)
 
@@ -169,7 +173,8 @@ class Batcher:
     def _next_batch(self) -> list[Job] | None:
         with self._cond:
             while not (self._jobs or self._closed):
-                self._cond.wait()
+                self._beat()
+                self._cond.wait(IDLE_WAKE_S)
             if self._closed:
                 return None
             expired = self._take_expired(time.monotonic())

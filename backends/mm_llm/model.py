@@ -31,6 +31,7 @@ import torch
 from backends.core.adapter import TritonBackend, inject
 from backends.core.batcher import start_thread
 from backends.core.errors import InvalidInput
+from backends.core.heartbeat import Heartbeat
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics, QosMetrics
 from backends.core.outbox import Outbox
@@ -44,6 +45,9 @@ from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.01  # how often cancellation is polled and metrics are updated
+# how long the loop hangs for a request with inject_fault "stall": longer than the health check's default
+# heartbeat timeout (5 s), for its tests
+STALL_S = 7.0
 
 GAUGES = {"llm_kv_blocks_free": "KV-cache blocks free", "llm_kv_blocks_total": "KV-cache blocks in all",
           "llm_sequences_running": "sequences in the running batch",
@@ -126,6 +130,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         # thread once the main thread had used them (see backends.core.batcher.Batcher); the loop starts once
         # `setup` has made the queues, metrics and outbox it uses
         self.started = threading.Event()
+        self.heartbeat = Heartbeat(self.name)  # the `health` model watches the loop through it
         self.thread = start_thread(self.load, self._loop, f"{self.name}-engine")
         self.inbox: queue.Queue[Pending] = queue.Queue()
         self.pending: list[Pending] = []  # taken from the inbox, preparation still running
@@ -203,6 +208,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         vision tower over the images of all of them here)."""
         for pending in batch:
             inject(pending.fault, "infer")
+            if pending.fault == "stall":  # a hung engine loop, for the health check's tests
+                time.sleep(STALL_S)
         return [EngineInput(pending.ask.prompt) for pending in batch]
 
     def finalize(self) -> None:
@@ -224,12 +231,14 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             self._send_unloaded(unload)
         self.metrics.close()
         self.qos_metrics.close()
+        self.heartbeat.stop()
 
     # --- the engine loop ------------------------------------------------------------------------------------
     def _loop(self) -> None:
         self.started.wait()  # `setup` has made the queues, metrics and outbox
         last_housekeeping = 0.0
         while self.running:
+            self.heartbeat.beat()
             self._admit()
             if time.monotonic() - last_housekeeping > HOUSEKEEPING_S or not self.engine.has_work:
                 self._drop_cancelled()

@@ -65,9 +65,13 @@ def test_probes_service_budget_and_autoscaler_point_at_the_deployment():
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == TRITON_PORTS and container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
-                        ("livenessProbe", "/v2/health/live")):
+    for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
         assert container[probe]["httpGet"] == {"path": path, "port": "http"}
+    command = container["readinessProbe"]["exec"]["command"]  # the deep check, through our probe CLI
+    assert command[:3] == [".venv/bin/python", "-m", "client.health"]
+    from client.health import main  # noqa: F401 (the module the probe runs exists)
+    url = command[command.index("--url") + 1]
+    assert url.endswith(f":{TRITON_PORTS['http']}")
     assert service["spec"]["selector"] == labels == docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
     target = docs["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]

@@ -1,0 +1,56 @@
+"""The deep health check's parts without a server: heartbeats age and go stale, the compute check's known answer,
+NVML absent is skipped, an injected failure shows, and our batcher beats while idle."""
+from __future__ import annotations
+
+import os
+import time
+
+from backends.core.batcher import Batcher, BatchWindow
+from backends.core.health import HealthParams, check_compute, check_engines, check_gpu, report
+from backends.core.heartbeat import Heartbeat, ages
+
+
+def test_a_loop_that_stops_beating_goes_stale(tmp_path):
+    beat = Heartbeat("llm", tmp_path)
+    assert check_engines(0.2, tmp_path)["ok"]
+    time.sleep(0.3)
+    stale = check_engines(0.2, tmp_path)
+    assert not stale["ok"] and stale["stale"] == [f"llm.{os.getpid()}"]
+    beat.beat()
+    assert check_engines(0.2, tmp_path)["ok"]
+    beat.stop()  # unloaded on purpose: no longer watched
+    assert ages(tmp_path) == {}
+
+
+def test_a_loop_whose_process_is_gone_is_stale(tmp_path):
+    (tmp_path / "whisper.999999999").touch()  # no such process
+    result = check_engines(60, tmp_path)
+    assert not result["ok"] and result["heartbeat_age_s"] == {"whisper.999999999": "process gone"}
+
+
+def test_the_compute_check_finds_its_known_answer():
+    result = check_compute("cpu", 512)
+    assert result["ok"] and result["wrong_elements"] == 0 and result["device"] == "cpu"
+
+
+def test_without_nvml_the_gpu_check_is_skipped_not_failed():
+    result = check_gpu(HealthParams())
+    assert result["ok"] and ("skipped" in result or "temperature_c" in result)
+
+
+def test_an_injected_failure_makes_the_report_unhealthy(tmp_path):
+    Heartbeat("llm", tmp_path)
+    healthy = report(HealthParams(device="cpu"), folder=tmp_path)
+    assert healthy["healthy"] and set(healthy["checks"]) == {"compute", "gpu", "engines"}
+    failing = report(HealthParams(device="cpu"), "compute", folder=tmp_path)
+    assert not failing["healthy"] and failing["checks"]["compute"]["injected"]
+    assert failing["checks"]["engines"]["ok"]  # the others still ran and say what they saw
+
+
+def test_the_batcher_beats_while_idle():
+    beats = []
+    batcher = Batcher(lambda batch: [None] * len(batch), 4, BatchWindow("fixed", 0.0),
+                      beat=lambda: beats.append(time.monotonic()))
+    time.sleep(0.8)
+    batcher.close()
+    assert len(beats) >= 3  # an idle loop wakes every IDLE_WAKE_S (0.25 s)

@@ -33,6 +33,35 @@ class CustomMetrics:
         self.families.clear()
 
 
+class RequestHistograms:
+    """Request-level distributions Triton does not have for a streaming model, one observation per finished request:
+    time to first token, the mean time between its tokens, and how many it generated."""
+
+    BUCKETS = {
+        "llm_time_to_first_token_seconds": ("arrival to first token, per request",
+                                            [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]),
+        "llm_inter_token_latency_seconds": ("mean time between a request's tokens, per request",
+                                            [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1]),
+        "llm_output_tokens": ("tokens generated, per request", [1, 4, 16, 64, 256, 1024, 4096, 16384]),
+    }
+
+    def __init__(self, pb, labels: dict[str, str]):
+        self.families = {name: pb.MetricFamily(name, doc, pb.MetricFamily.HISTOGRAM)
+                         for name, (doc, _) in self.BUCKETS.items()}
+        self.metrics = {name: family.Metric(labels, buckets=self.BUCKETS[name][1])
+                        for name, family in self.families.items()}
+
+    def observe(self, ttft_s: float, itl_s: float | None, tokens: int) -> None:
+        self.metrics["llm_time_to_first_token_seconds"].observe(ttft_s)
+        if itl_s is not None:  # one token has no gap
+            self.metrics["llm_inter_token_latency_seconds"].observe(itl_s)
+        self.metrics["llm_output_tokens"].observe(tokens)
+
+    def close(self) -> None:
+        self.metrics.clear()
+        self.families.clear()
+
+
 class QosMetrics:
     """Per-class QoS series (label `qos_class`): queue depth, admitted, refused by reason, and the wait from arrival
     to start as a histogram."""

@@ -16,6 +16,7 @@ unload), "list", or "unload", answered once no request uses the adapter any more
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -33,7 +34,7 @@ from backends.core.batcher import start_thread
 from backends.core.errors import InvalidInput
 from backends.core.heartbeat import Heartbeat
 from backends.core.inputs import Inputs
-from backends.core.metrics import CustomMetrics, QosMetrics
+from backends.core.metrics import CustomMetrics, QosMetrics, RequestHistograms
 from backends.core.outbox import Outbox
 from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, Ticket, read_qos_class
 from backends.llm.detokenizer import pending_text
@@ -102,6 +103,9 @@ class Stream:
     request: object
     sender: object
     stream: bool
+    arrival: float  # monotonic, when `execute` took the request
+    first: float | None = None  # when its first token was out of the engine
+    last: float = 0.0  # when its latest was
 
 
 def engine_stats(engine: LLMEngine) -> tuple[dict[str, float], dict[str, int]]:
@@ -144,6 +148,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                                      {**COUNTERS, **(LORA_COUNTERS if lora else {})})
         self.metrics.update(*engine_stats(self.engine))
         self.qos_metrics = QosMetrics(self.pb, self.labels, CLASSES, REJECTIONS)
+        self.request_metrics = RequestHistograms(self.pb, self.labels)
+        self.finished_timings: collections.deque[tuple[float, float | None, int]] = collections.deque()
         self.outbox = Outbox(self._text, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self._update_metrics,
                              poll_s=HOUSEKEEPING_S, name=f"{self.name}-outbox", threads=self.params.response_threads)
         self.started.set()
@@ -231,6 +237,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             self._send_unloaded(unload)
         self.metrics.close()
         self.qos_metrics.close()
+        self.request_metrics.close()
         self.heartbeat.stop()
 
     # --- the engine loop ------------------------------------------------------------------------------------
@@ -285,7 +292,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 pending.ticket.end()
                 self.outbox.send(pending.sender, self.error_response(e))
                 continue
-            self.active[seq] = Stream(pending.request, pending.sender, pending.ask.stream)
+            self.active[seq] = Stream(pending.request, pending.sender, pending.ask.stream, pending.ticket.arrival)
             self.outbox.watch(pending.sender, pending.request, seq)
 
     def _engine_inputs_isolated(self, batch: list[Pending]) -> list[EngineInput | Exception]:
@@ -337,12 +344,22 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 self.outbox.text(stream.sender, delta, final=seq.finished)
         elif seq.finished:
             self.outbox.text(stream.sender, seq.text, final=True)
+        if seq.output_ids:
+            stream.last = time.monotonic()
+            stream.first = stream.first or stream.last
         if seq.finished:
             del self.active[seq]
+            if seq.error is None and stream.first is not None:  # observed on the outbox thread (a round trip each)
+                tokens = len(seq.output_ids)
+                self.finished_timings.append((stream.first - stream.arrival,
+                                              (stream.last - stream.first) / (tokens - 1) if tokens > 1 else None,
+                                              tokens))
 
     def _update_metrics(self, gauges: dict, totals: dict) -> None:
         """On the outbox thread."""
         self.metrics.update(gauges, totals)
+        while self.finished_timings:
+            self.request_metrics.observe(*self.finished_timings.popleft())
         admission = self.engine.qos.admission
         self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
 

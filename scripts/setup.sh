@@ -11,10 +11,11 @@ PERF_ANALYZER_WHEEL=2.50.0    # 2.52+ binaries need glibc 2.38 (Debian 12 has 2.
 stamp="$VENV/.setup-$(cat requirements.txt scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then echo "setup: up to date ($VENV)"; exit 0; fi
 
-# Debian packages: libb64 for perf_analyzer; Prometheus, which the metrics test runs against a real server.
+# Debian packages: libb64 for perf_analyzer; Prometheus and nginx, which the metrics and failover tests run.
 missing=()
 ldconfig -p | grep -q 'libb64.so.0d' || missing+=(libb64-0d)
 command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ] || missing+=(prometheus)
+[ -x /usr/sbin/nginx ] || missing+=(nginx)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

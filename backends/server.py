@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
+from backends.core.spans import SPANS_ENV, spans_file
+
 BACKENDS = Path(__file__).resolve().parent  # our Python-based backends: BACKENDS/<name>/model.py
 DEFAULT_BACKEND_DIR = Path("/opt/tritonserver/backends")  # where an installed tritonserver (NGC image) has them
 
@@ -123,6 +125,11 @@ class TritonServer:
     # which batches of pixel tensors outgrow ("failed to copy data: invalid argument" in the stub)
     cuda_memory_pool_mb: int | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the server's (and its models') environment
+    # Triton's trace of every `trace_rate`-th request, written to trace_file.0, .1, ... (one file per
+    # `trace_log_frequency` traces), and the LLM engines' spans of each request to trace_file.spans.jsonl
+    trace_file: Path | None = None
+    trace_rate: int = 1
+    trace_log_frequency: int = 1
     startup_timeout_s: float = 180.0
     process: subprocess.Popen | None = None
 
@@ -147,7 +154,17 @@ class TritonServer:
         cmd += [f"--load-model={name}" for name in self.load_models]
         if self.cuda_memory_pool_mb is not None:
             cmd.append(f"--cuda-memory-pool-byte-size=0:{self.cuda_memory_pool_mb << 20}")
+        if self.trace_file is not None:
+            cmd += [f"--trace-config=triton,file={Path(self.trace_file).resolve()}",
+                    f"--trace-config=triton,log-frequency={self.trace_log_frequency}",
+                    f"--trace-config=rate={self.trace_rate}", "--trace-config=level=TIMESTAMPS"]
         return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = server_env() | self.env
+        if self.trace_file is not None:
+            env[SPANS_ENV] = str(spans_file(self.trace_file))
+        return env
 
     def start(self) -> TritonServer:
         if self.model_control != "explicit" and self.load_models:
@@ -158,7 +175,9 @@ class TritonServer:
         self.log_file = Path(self.log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_file.open("wb")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=server_env() | self.env,
+        if self.trace_file is not None:
+            Path(self.trace_file).parent.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                         start_new_session=True)
         log.close()
         try:
@@ -221,6 +240,13 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--cuda-memory-pool-mb", type=int, default=None,
                         help="GPU 0's pool for tensors passed on the GPU (ensembles built with --preprocess-on-device "
                         "true need more than Triton's 64 MB: 2048 serves batches of 64 pixel tensors)")
+    parser.add_argument("--trace-file", type=Path, default=None,
+                        help="trace requests: Triton's trace (timestamps) to TRACE_FILE.0, .1, ... and the LLM "
+                        "engines' spans to TRACE_FILE.spans.jsonl; `python -m client.timeline TRACE_FILE --request-id "
+                        "ID` prints one request's timeline")
+    parser.add_argument("--trace-rate", type=int, default=1, help="with --trace-file: trace every N-th request")
+    parser.add_argument("--trace-log-frequency", type=int, default=1,
+                        help="with --trace-file: write a file every N traces (0: only at shutdown)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     return parser
 
@@ -229,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     server = TritonServer(Path(args.repository), args.http_port, args.grpc_port, args.metrics_port,
                           Path(args.log_file), args.model_control, args.load_model, startup_timeout_s=args.timeout,
-                          cuda_memory_pool_mb=args.cuda_memory_pool_mb)
+                          cuda_memory_pool_mb=args.cuda_memory_pool_mb, trace_file=args.trace_file,
+                          trace_rate=args.trace_rate, trace_log_frequency=args.trace_log_frequency)
 
     def on_sigterm(*_):
         raise KeyboardInterrupt

@@ -161,7 +161,7 @@ class BatchedBackend(TritonBackend[P]):
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
             self.heartbeat = Heartbeat(self.name)  # the `health` model watches the batcher's loop through it
             self.batcher = Batcher(self._run_jobs, max_batch, window, name=f"{self.name}-batcher",
-                                   setup=self.load, after=self._update_metrics, beat=self.heartbeat.beat)
+                                   setup=self.load, after=self._update_metrics, heartbeat=self.heartbeat)
 
     def load(self) -> None:
         """Load the engine (called by setup, after the pool exists; on our batcher's thread when it batches)."""

@@ -19,13 +19,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from backends.core.errors import Unavailable
-from backends.core.heartbeat import IDLE_WAKE_S
+from backends.core.heartbeat import IDLE_WAKE_S, Heartbeat
 from backends.core.params import bounded, choice
 from backends.core.qos import QosParams, Ticket
 
@@ -109,11 +110,12 @@ class Batcher:
 
     def __init__(self, run: Callable[[list[Job]], list[Any]], max_batch: int, window: BatchWindow,
                  name: str = "batcher", setup: Callable[[], None] = lambda: None,
-                 after: Callable[[], None] = lambda: None, beat: Callable[[], None] = lambda: None):
-        """`beat`: called on every pass of the loop, idle ones too (at least every IDLE_WAKE_S)."""
+                 after: Callable[[], None] = lambda: None, heartbeat: Heartbeat | None = None):
+        """`heartbeat`: beats on every pass of the loop, idle ones too (at least every IDLE_WAKE_S), and times the
+        batches."""
         self._run = run
         self._after = after
-        self._beat = beat
+        self._heartbeat = heartbeat
         self.max_batch = max_batch
         self.window = window
         self._jobs: list[Job] = []
@@ -147,9 +149,9 @@ class Batcher:
     # --- the batcher thread -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
-            self._beat()
             if batch:  # empty when every waiting job had timed out
-                self._run_batch(batch)
+                with self._heartbeat.step() if self._heartbeat else nullcontext():
+                    self._run_batch(batch)
 
     def _run_batch(self, batch: list[Job]) -> None:
         """Start the batch's jobs (they leave the QoS queue), run it, answer each job, feed the window."""
@@ -173,7 +175,8 @@ class Batcher:
     def _next_batch(self) -> list[Job] | None:
         with self._cond:
             while not (self._jobs or self._closed):
-                self._beat()
+                if self._heartbeat:
+                    self._heartbeat.beat()
                 self._cond.wait(IDLE_WAKE_S)
             if self._closed:
                 return None

@@ -29,7 +29,8 @@ class HealthParams(Parameters):
     matmul_size: int = bounded(512, 8, 8192)
     max_temperature_c: float = bounded(90.0, 0)
     max_ecc_errors: int = bounded(0, 0)  # uncorrected, volatile
-    heartbeat_timeout_s: float = bounded(5.0, 0, low_open=True)  # an engine loop silent this long is unhealthy
+    # an engine loop silent this long (after the allowance of the step it announced) is unhealthy
+    heartbeat_timeout_s: float = bounded(0.75, 0, low_open=True)
 
 
 def check_compute(device_name: str, size: int) -> dict[str, Any]:

@@ -4,16 +4,24 @@ A loop touches a file of its own (model name and stub process id) in its server'
 <tmp>/triton-multimodal-heartbeats-<uid>/<tritonserver pid>/: every stub is a child of its tritonserver, so one
 server's models find one another there and two servers on a machine never mix. An idle loop still beats (it wakes
 at least every IDLE_WAKE_S); a loop stuck in a step or dead stops, and its file ages.
+
+A step may legitimately take long (a batch of long clips, a big prefill). Before one, the loop dates its file
+forward by twice its longest recent step (`Heartbeat.step`), so the health check's short timeout counts from when
+the step should have ended: a hung loop is found within that timeout of its usual pace, a slow batch is not.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 BEAT_S = 0.1  # at most one file update per this interval
 IDLE_WAKE_S = 0.25  # an idle loop wakes this often to beat
+STEP_ALLOWANCE = 2.0  # a step is announced to take up to this many times the longest recent one
+STEP_MEMORY = 0.99  # the longest recent step: each step's duration, or the last longest times this
 
 
 def server_folder(server_pid: int | None = None) -> Path:
@@ -27,11 +35,26 @@ class Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch()
         self.last = time.monotonic()
+        self.longest_step_s = 0.0
+        self.ahead = False  # the file is dated after now
 
-    def beat(self) -> None:
-        if (now := time.monotonic()) - self.last >= BEAT_S:
-            os.utime(self.path)
-            self.last = now
+    def beat(self, busy_s: float = 0.0) -> None:
+        """Alive now; `busy_s`: the next beat is due only that much later (a long step is starting)."""
+        now, ahead = time.monotonic(), busy_s > BEAT_S
+        if now - self.last >= BEAT_S or ahead or self.ahead:  # a file dated ahead is brought back at once
+            due = time.time() + busy_s
+            os.utime(self.path, (due, due))
+            self.last, self.ahead = now, ahead
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one step of the loop: beats with the step's allowance before it and learns its duration."""
+        self.beat(STEP_ALLOWANCE * self.longest_step_s)
+        start = time.monotonic()
+        yield
+        elapsed = time.monotonic() - start
+        self.longest_step_s = max(elapsed, self.longest_step_s * STEP_MEMORY)
+        self.beat()
 
     def stop(self) -> None:
         """The loop ended on purpose (model unloaded): no longer watched."""
@@ -39,8 +62,9 @@ class Heartbeat:
 
 
 def ages(folder: Path | None = None) -> dict[str, float]:
-    """Seconds since each loop's last beat, by `model.pid`; a loop whose process is gone is reported as such
-    (age infinity) until its file is cleared."""
+    """Seconds since each loop's last beat (after the allowance of the step it announced: negative while within
+    it), by `model.pid`; a loop whose process is gone is reported as such (age infinity) until its file is
+    cleared."""
     folder = folder or server_folder()
     out = {}
     for path in sorted(folder.glob("*.*")) if folder.is_dir() else []:

@@ -37,6 +37,7 @@ from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics, QosMetrics, RequestHistograms
 from backends.core.outbox import Outbox
 from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, Ticket, read_qos_class
+from backends.core.spans import SpanLog
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine, StepFailed
 from backends.llm.adapters import LoraAdapter
@@ -46,9 +47,9 @@ from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.01  # how often cancellation is polled and metrics are updated
-# how long the loop hangs for a request with inject_fault "stall": longer than the health check's default
-# heartbeat timeout (5 s), for its tests
-STALL_S = 7.0
+# how long the loop hangs for a request with inject_fault "stall": well over the health check's heartbeat timeout,
+# for its tests
+STALL_S = 4.0
 
 GAUGES = {"llm_kv_blocks_free": "KV-cache blocks free", "llm_kv_blocks_total": "KV-cache blocks in all",
           "llm_sequences_running": "sequences in the running batch",
@@ -106,6 +107,7 @@ class Stream:
     arrival: float  # monotonic, when `execute` took the request
     first: float | None = None  # when its first token was out of the engine
     last: float = 0.0  # when its latest was
+    spans: dict[str, int] | None = None  # monotonic ns by backends.core.spans.EVENTS, when the server traces
 
 
 def engine_stats(engine: LLMEngine) -> tuple[dict[str, float], dict[str, int]]:
@@ -149,6 +151,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.metrics.update(*engine_stats(self.engine))
         self.qos_metrics = QosMetrics(self.pb, self.labels, CLASSES, REJECTIONS)
         self.request_metrics = RequestHistograms(self.pb, self.labels)
+        self.spans = SpanLog(self.name)
+        self.step_start_ns = 0
         self.finished_timings: collections.deque[tuple[float, float | None, int]] = collections.deque()
         self.outbox = Outbox(self._text, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, self._update_metrics,
                              poll_s=HOUSEKEEPING_S, name=f"{self.name}-outbox", threads=self.params.response_threads)
@@ -238,6 +242,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.metrics.close()
         self.qos_metrics.close()
         self.request_metrics.close()
+        self.spans.close()
         self.heartbeat.stop()
 
     # --- the engine loop ------------------------------------------------------------------------------------
@@ -257,7 +262,9 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 self.wake.clear()
                 continue
             try:
-                advanced = self.engine.step()
+                self.step_start_ns = time.monotonic_ns()
+                with self.heartbeat.step():
+                    advanced = self.engine.step()
             except StepFailed as e:  # the model step itself failed: its sequences fail, the server keeps serving
                 log.exception("LLM engine step failed")
                 for seq in e.seqs:
@@ -292,7 +299,10 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 pending.ticket.end()
                 self.outbox.send(pending.sender, self.error_response(e))
                 continue
-            self.active[seq] = Stream(pending.request, pending.sender, pending.ask.stream, pending.ticket.arrival)
+            stream = Stream(pending.request, pending.sender, pending.ask.stream, pending.ticket.arrival)
+            if self.spans.enabled:
+                stream.spans = {"queued": int(stream.arrival * 1e9), "admitted": time.monotonic_ns()}
+            self.active[seq] = stream
             self.outbox.watch(pending.sender, pending.request, seq)
 
     def _engine_inputs_isolated(self, batch: list[Pending]) -> list[EngineInput | Exception]:
@@ -346,9 +356,16 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             self.outbox.text(stream.sender, seq.text, final=True)
         if seq.output_ids:
             stream.last = time.monotonic()
-            stream.first = stream.first or stream.last
+            if stream.first is None:
+                stream.first = stream.last
+                if stream.spans is not None:  # its prompt was (the last part of) this step's prefill
+                    stream.spans |= {"prefill_start": self.step_start_ns, "first_token": int(stream.first * 1e9)}
         if seq.finished:
             del self.active[seq]
+            if stream.spans is not None:
+                self.spans.write(stream.request.request_id(), stream.spans | {"finished": time.monotonic_ns()},
+                                 output_tokens=len(seq.output_ids),
+                                 error=None if seq.error is None else str(seq.error))
             if seq.error is None and stream.first is not None:  # observed on the outbox thread (a round trip each)
                 tokens = len(seq.output_ids)
                 self.finished_timings.append((stream.first - stream.arrival,

@@ -47,10 +47,25 @@ def test_an_injected_failure_makes_the_report_unhealthy(tmp_path):
     assert failing["checks"]["engines"]["ok"]  # the others still ran and say what they saw
 
 
-def test_the_batcher_beats_while_idle():
-    beats = []
-    batcher = Batcher(lambda batch: [None] * len(batch), 4, BatchWindow("fixed", 0.0),
-                      beat=lambda: beats.append(time.monotonic()))
-    time.sleep(0.8)
+def test_the_batcher_beats_while_idle(tmp_path):
+    heartbeat = Heartbeat("vit", tmp_path)
+    batcher = Batcher(lambda batch: [None] * len(batch), 4, BatchWindow("fixed", 0.0), heartbeat=heartbeat)
+    time.sleep(0.6)
+    for _ in range(4):  # an idle loop wakes every IDLE_WAKE_S (0.25 s)
+        time.sleep(0.2)
+        assert -0.01 < ages(tmp_path)[heartbeat.path.name] < 0.4
     batcher.close()
-    assert len(beats) >= 3  # an idle loop wakes every IDLE_WAKE_S (0.25 s)
+
+
+def test_a_step_announces_twice_the_longest_recent_step(tmp_path):
+    heartbeat = Heartbeat("whisper", tmp_path)
+    with heartbeat.step():  # the first step has no history: no allowance
+        assert ages(tmp_path)[heartbeat.path.name] >= -0.01
+        time.sleep(0.3)
+    assert 0.3 <= heartbeat.longest_step_s < 0.5
+    with heartbeat.step():  # a slow batch again: its file is dated up to 2x the longest step ahead
+        age = ages(tmp_path)[heartbeat.path.name]
+        assert -2 * heartbeat.longest_step_s - 0.01 < age < -2 * heartbeat.longest_step_s + 0.05
+        assert check_engines(0.1, tmp_path)["ok"]
+    time.sleep(0.15)  # the step ended, the loop went quiet: stale after the timeout, not after the allowance
+    assert not check_engines(0.1, tmp_path)["ok"]

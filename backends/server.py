@@ -211,9 +211,16 @@ class TritonServer:
             return "(no log)"
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGINT (Triton's graceful shutdown: finish in-flight requests, unload models), then SIGKILL."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
+        """SIGINT (Triton's graceful shutdown: finish in-flight requests, unload models), then SIGKILL. A server that
+        died (killed) may leave its model stubs behind: they are killed with it (its process group)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # nothing left of it
+                pass
+            return self.process.returncode
         self.process.send_signal(signal.SIGINT)
         try:
             return self.process.wait(timeout_s)

@@ -88,10 +88,12 @@ def calibration_prompts(checkpoint: Path, prompts_file: Path | None = None, devi
 
 def generation_config(opts: BuildOptions, name: str, backend: str, extra_inputs: list[Tensor],
                       params: EngineConfig) -> PythonModelConfig:
-    """A decoupled model taking tensorrtllm_backend's generation inputs and streaming `text_output`."""
+    """A decoupled model taking tensorrtllm_backend's generation inputs and streaming `text_output`; its final
+    response also carries `finish_reason` (OpenAI's: "stop" or "length"), so a client can tell a finished stream from
+    one that a failed server or a proxy cut short."""
     return PythonModelConfig(
         name, backend, [*extra_inputs, *(Tensor(n, d, dims, optional=o) for n, d, dims, o in GENERATION_INPUTS)],
-        [Tensor("text_output", "BYTES", [1])], params, max_batch_size=0, max_queue_delay_us=None, instances=1,
+        [Tensor("text_output", "BYTES", [1]), Tensor("finish_reason", "BYTES", [1])], params, max_batch_size=0, max_queue_delay_us=None, instances=1,
         kind=instance_kind(opts), decoupled=True)
 
 

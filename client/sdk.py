@@ -145,7 +145,8 @@ class Client:
         if name:
             arrays["lora_id"] = np.array([name.encode()], dtype=object)
         if self.protocol == "http":
-            texts = http_generate_stream(self.url, model, generate_request_body(arrays), timeout_s)
+            texts = http_generate_stream(self.url, model, generate_request_body(arrays), timeout_s,
+                                         until_finished=False)  # an answer, not a generation
         else:
             texts = self._stream_grpc(model, infer_inputs(self.api, arrays), timeout_s)
         return json.loads("".join(texts))
@@ -226,9 +227,11 @@ def generate_request_body(arrays: dict[str, np.ndarray]) -> dict:
     return body
 
 
-def http_generate_stream(url: str, model: str, body: dict, timeout_s: float = 300.0) -> Iterator[str]:
+def http_generate_stream(url: str, model: str, body: dict, timeout_s: float = 300.0,
+                         until_finished: bool = True) -> Iterator[str]:
     """Deltas from POST /v2/models/<model>/generate_stream at `url` (host:port), read event by event so each token
-    is yielded as it arrives; errors raise InferenceServerException with the server's message."""
+    is yielded as it arrives; errors raise InferenceServerException with the server's message, as does a stream
+    that ends without a `finish_reason` when `until_finished` (a generation's last event carries one)."""
     connection = http.client.HTTPConnection(url, timeout=timeout_s)
     try:
         connection.request("POST", f"/v2/models/{urllib.parse.quote(model, safe='')}/generate_stream",
@@ -238,7 +241,7 @@ def http_generate_stream(url: str, model: str, body: dict, timeout_s: float = 30
         if response.status != 200:
             raise InferenceServerException(http_error_message(response.status, response.reason, response.read()),
                                            status=str(response.status))
-        yield from generated_texts(server_sent_events(response))
+        yield from generated_texts(server_sent_events(response), until_finished)
     finally:
         connection.close()
 
@@ -267,15 +270,22 @@ def server_sent_events(lines: Iterable[bytes]) -> Iterator[dict]:
         yield json.loads("\n".join(data))
 
 
-def generated_texts(events: Iterable[dict]) -> Iterator[str]:
-    """Non-empty `text_output`s of generate_stream events; an error event raises (it can follow a 200 status)."""
+def generated_texts(events: Iterable[dict], until_finished: bool = False) -> Iterator[str]:
+    """Non-empty `text_output`s of generate_stream events; an error event raises (it can follow a 200 status).
+    `until_finished`: events that end before one with a `finish_reason` raise too: the stream was cut (a server
+    that died mid-stream, behind a proxy that ended the response as if complete)."""
+    finished = False
     for event in events:
         if "error" in event:
             raise InferenceServerException(str(event["error"]))
+        finished = finished or "finish_reason" in event
         text = event.get("text_output")
         text = "".join(text) if isinstance(text, list) else text
         if text:
             yield text
+    if until_finished and not finished:
+        raise InferenceServerException("the stream ended before its final response (no finish_reason): the server "
+                                       "or a proxy on the way cut it")
 
 
 def infer_inputs(api, arrays: dict[str, np.ndarray]) -> list:

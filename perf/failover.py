@@ -1,10 +1,12 @@
 """`python -m perf.failover`: two tritonservers behind nginx (the Debian package), a steady load, one server killed
-mid-run. Records how many requests were lost, how long nginx kept sending to the dead server, and how the LLM
-streams that were on it ended (with an error, not a hang). Results: <date>-failover.{md,csv}.
+or hung mid-run. Records how many requests were lost, how long nginx kept sending to the failed server, and how
+the LLM streams that were on it ended (with an error, not a hang). Results: <date>-failover.{md,csv}.
 
 nginx's open-source build has passive health checks only: a server that refuses a connection is marked down for
 `fail_timeout` and the request is retried on the other (`proxy_next_upstream`, inference requests included: they
-are idempotent here, a failed request produced nothing). A stream that has started cannot be retried.
+are idempotent here, a failed request produced nothing). A stream that has started cannot be retried; nginx ends
+it as if complete, and the client finds it cut because its last event has no `finish_reason`. Each fault runs
+twice: with passive checks only, and with active ones (client.balancer probing the health models).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.server import TritonServer, free_port
+from client.balancer import Watcher, reload_nginx, upstream_block
 from client.sdk import http_generate_stream
 from perf.inputs import model_items
 from perf.report import hardware_line, write_table
@@ -33,9 +37,11 @@ from perf.report import hardware_line, write_table
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
 
-def nginx_config(prefix: Path, listen: int, upstreams: list[int], fail_timeout_s: int = 10,
-                 read_timeout_s: int = 5) -> str:
-    servers = "\n".join(f"    server 127.0.0.1:{port} max_fails=1 fail_timeout={fail_timeout_s}s;" for port in upstreams)
+STREAM_READ_TIMEOUT_S = 10  # nginx: the longest wait between two events of a stream
+
+
+def nginx_config(prefix: Path, listen: int, read_timeout_s: int = 5) -> str:
+    """The upstream block is prefix/upstream.conf (client.balancer rewrites it)."""
     temp = " ".join(f"{kind}_temp_path {prefix}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     user = "user root;  # its workers write request bodies under the prefix, which only we can\n" if os.getuid() == 0 \
         else ""
@@ -48,10 +54,7 @@ http {{
   {temp}
   log_format timed '$msec $request_time $status "$upstream_addr" "$upstream_status" $request_uri';
   access_log {prefix}/access.log timed;
-  upstream triton {{
-{servers}
-    keepalive 32;
-  }}
+  include {prefix}/upstream.conf;
   server {{
     listen 127.0.0.1:{listen};
     client_max_body_size 64m;
@@ -67,7 +70,7 @@ http {{
     }}
     location ~ /generate_stream$ {{
       proxy_pass http://triton;
-      proxy_read_timeout 120s;  # between two tokens
+      proxy_read_timeout {STREAM_READ_TIMEOUT_S}s;  # between two events
     }}
   }}
 }}
@@ -78,7 +81,9 @@ class Nginx:
     def __init__(self, prefix: Path, listen: int, upstreams: list[int]):
         self.prefix, self.listen = prefix, listen
         prefix.mkdir(parents=True, exist_ok=True)
-        (prefix / "nginx.conf").write_text(nginx_config(prefix, listen, upstreams))
+        self.upstreams = [f"127.0.0.1:{port}" for port in upstreams]
+        (prefix / "upstream.conf").write_text(upstream_block("triton", dict.fromkeys(self.upstreams, True)))
+        (prefix / "nginx.conf").write_text(nginx_config(prefix, listen))
 
     def __enter__(self) -> Nginx:
         self.process = subprocess.Popen([NGINX, "-p", str(self.prefix), "-c", str(self.prefix / "nginx.conf")],
@@ -116,7 +121,9 @@ class Outcome:
     start: float  # epoch seconds
     end: float
     error: str | None
-    pieces: int = 0  # text deltas received (streams)
+
+
+_local = threading.local()  # one HTTP client per load thread
 
 
 def infer_once(url: str, image: bytes) -> None:
@@ -130,8 +137,6 @@ def infer_once(url: str, image: bytes) -> None:
     client.infer("vit", [tensor])
 
 
-_local = threading.local()
-
 
 def timed(call) -> Outcome:
     start = time.time()
@@ -143,10 +148,9 @@ def timed(call) -> Outcome:
 
 
 def stream_once(url: str, tokens: int) -> Outcome:
+    """client.sdk raises for a stream whose last event has no finish_reason: one cut short fails."""
     body = {"text_input": "a photo of", "max_tokens": tokens, "min_length": tokens, "temperature": 0.0}
-    pieces = []
-    outcome = timed(lambda: pieces.extend(http_generate_stream(url, "llm", body, timeout_s=120)))
-    return dataclasses.replace(outcome, pieces=len(pieces))
+    return timed(lambda: list(http_generate_stream(url, "llm", body, timeout_s=60)))
 
 
 @dataclasses.dataclass
@@ -156,19 +160,23 @@ class FailoverResult:
     killed_at: float  # epoch seconds
     dead_port: int
     log: list[dict]
+    changes: list[tuple[float, str, bool]] | None = None  # the active checks' (epoch s, server, healthy)
 
 
 def run(repository: Path, workdir: Path, rate: float = 40.0, duration_s: float = 10.0, kill_after_s: float = 4.0,
-        streams: int = 4, stream_tokens: int = 500, fault: str = "kill") -> FailoverResult:
-    """Servers A and B (vit, llm) behind nginx; `rate` vit requests/s open loop for `duration_s`; `streams` LLM
-    streams start a second before B is killed (`fault` "kill": SIGKILL; "stop": SIGSTOP, a hung server)."""
+        streams: int = 4, stream_tokens: int = 500, fault: str = "kill", active: bool = False) -> FailoverResult:
+    """Servers A and B (vit, llm, health) behind nginx; `rate` vit requests/s open loop for `duration_s`; `streams`
+    LLM streams start a second before B is killed (`fault` "kill": SIGKILL; "stop": SIGSTOP, a hung server);
+    `active`: client.balancer takes failing servers out of nginx's upstream."""
     servers = [TritonServer(repository, free_port(), free_port(), free_port(), workdir / f"server-{i}.log",
-                            model_control="explicit", load_models=["vit", "llm"]) for i in range(2)]
+                            model_control="explicit", load_models=["vit", "llm", "health"]) for i in range(2)]
     image = model_items("vit", "thumbnails")[0]
     with servers[0], servers[1]:
         ports = [int(s.http_url.rsplit(":", 1)[1]) for s in servers]
         with Nginx(workdir / "nginx", free_port(), ports) as nginx:
             url = f"127.0.0.1:{nginx.listen}"
+            watcher = Watcher(nginx.upstreams, nginx.prefix / "upstream.conf",
+                              reload_nginx(nginx.prefix / "nginx.pid")).start() if active else None
             with ThreadPoolExecutor(64) as pool:
                 start = time.monotonic()
                 requests, stream_futures, killed_at = [], [], None
@@ -185,10 +193,13 @@ def run(repository: Path, workdir: Path, rate: float = 40.0, duration_s: float =
                     requests.append(pool.submit(timed, lambda: infer_once(url, image)))
                 outcomes = [f.result() for f in requests]
                 stream_outcomes = [f.result() for f in stream_futures]
+            if watcher is not None:
+                watcher.stop()
             if fault == "stop":
                 os.kill(servers[1].process.pid, signal.SIGKILL)  # a stopped process cannot shut down
             log = nginx.log()
-    return FailoverResult(outcomes, stream_outcomes, killed_at, ports[1], log)
+    return FailoverResult(outcomes, stream_outcomes, killed_at, ports[1], log,
+                          watcher.changes if watcher else None)
 
 
 def summary(result: FailoverResult) -> dict[str, float | int]:
@@ -197,19 +208,23 @@ def summary(result: FailoverResult) -> dict[str, float | int]:
     dead = f"127.0.0.1:{result.dead_port}"
     to_dead = [row for row in result.log if dead in row["upstreams"] and row["end"] >= result.killed_at
                and row["uri"].endswith("/infer")]
-    # the last vit request nginx tried on server B (each such try failed and was retried on the other)
-    out_of_rotation = max((row["end"] - result.killed_at for row in to_dead), default=0.0)
+    # when nginx last sent a vit request to server B (each such try failed and was retried on the other; a hung
+    # server's only after the read timeout)
+    out_of_rotation = max((row["end"] - row["duration"] - result.killed_at for row in to_dead), default=0.0)
     broken = [s for s in result.streams if s.error is not None]
-    whole = max((s.pieces for s in result.streams), default=0)
-    cut = [s for s in result.streams if s.error is None and s.pieces < 0.9 * whole]  # ended as if complete
+    on_dead = [row for row in result.log if row["upstreams"][-1] == dead and row["uri"].endswith("/generate_stream")]
+    downs = [(t - result.killed_at, server == dead) for t, server, up in result.changes or [] if not up]
     return {"requests": len(result.requests), "failed": sum(o.error is not None for o in result.requests),
             "p50 ms before": 1e3 * statistics.median(before), "p99 ms before": 1e3 * np.percentile(before, 99),
             "p50 ms after": 1e3 * statistics.median(after), "p99 ms after": 1e3 * np.percentile(after, 99),
             "vit requests tried on server B after the fault": len(to_dead),
-            "last of them ended, s after the fault": round(out_of_rotation, 3),
-            "streams": len(result.streams), "streams ended with an error": len(broken),
-            "streams cut short without an error": len(cut),
-            "latest end of those, s after the fault": round(max((s.end - result.killed_at for s in broken + cut),
+            "last of them sent, s after the fault": round(max(out_of_rotation, 0.0), 3),
+            "active checks took B out, s after the fault": "-" if result.changes is None
+            else round(min((t for t, b in downs if b and t >= 0), default=float("nan")), 3),
+            "servers taken out before the fault": "-" if result.changes is None else sum(t < 0 for t, _ in downs),
+            "streams": len(result.streams), "streams on B": len(on_dead),
+            "streams ended with an error": len(broken),
+            "latest end of those, s after the fault": round(max((s.end - result.killed_at for s in broken),
                                                                 default=0.0), 3)}
 
 
@@ -222,25 +237,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=40.0, help="vit requests per second, open loop")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--faults", nargs="+", choices=["kill", "stop"], default=["kill", "stop"])
+    parser.add_argument("--checks", nargs="+", choices=["passive", "active"], default=["passive", "active"])
     args = parser.parse_args(argv)
-    import tempfile
 
     rows, errors = [], []
     for fault in args.faults:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = run(args.repository, Path(tmp), args.rate, args.duration, fault=fault)
-        figures = summary(result)
-        rows.append([fault, *[round(v, 1) if isinstance(v, float) else v for v in figures.values()]])
-        errors += [f"{fault}: a stream ended with {s.error}" for s in result.streams if s.error][:2]
-        errors += [f"{fault}: a request failed with {o.error}" for o in result.requests if o.error][:2]
-        print(json.dumps({"fault": fault, **figures}), flush=True)
-    write_table(args.results / args.host, "failover", ["fault", *figures], rows, hardware_line("2.51.0"),
-                ["Two tritonservers (vit, llm; this repository) behind nginx on loopback, passive health checks "
-                 "(max_fails 1, fail_timeout 10 s, proxy_next_upstream error timeout 502 503 504 non_idempotent, "
-                 "2 tries, connect timeout 1 s, read timeout 5 s; 120 s between tokens of generate_stream); vit requests through tritonclient HTTP at a fixed rate (open loop), "
-                 "4 LLM streams (HTTP generate_stream) started a second before server B is hit: kill = SIGKILL, "
-                 "stop = SIGSTOP (a hung server: connections accepted by the kernel, never answered). Failed = "
-                 "what the client saw after nginx's retry. Tries on the dead server: nginx's access log.",
+        for checks in args.checks:
+            with tempfile.TemporaryDirectory() as tmp:
+                result = run(args.repository, Path(tmp), args.rate, args.duration, fault=fault,
+                             active=checks == "active")
+            figures = summary(result)
+            rows.append([fault, checks, *[round(v, 1 if abs(v) >= 10 else 3) if isinstance(v, float) else v
+                                          for v in figures.values()]])
+            label = f"{fault}, {checks} checks"
+            errors += [f"{label}: a stream ended with {s.error}" for s in result.streams if s.error][:2]
+            errors += [f"{label}: a request failed with {o.error}" for o in result.requests if o.error][:2]
+            print(json.dumps({"fault": fault, "checks": checks, **figures}), flush=True)
+    write_table(args.results / args.host, "failover", ["fault", "checks", *figures], rows, hardware_line("2.51.0"),
+                ["Two tritonservers (vit, llm, health; this repository) behind nginx on loopback. Passive checks: "
+                 "max_fails 1, fail_timeout 10 s, proxy_next_upstream error timeout 502 503 504 non_idempotent, 2 "
+                 f"tries, connect timeout 1 s, read timeout 5 s, {STREAM_READ_TIMEOUT_S} s between the events of "
+                 "generate_stream. Active checks: client.balancer probes each server's health model every 0.25 s "
+                 "(0.5 s timeout) and reloads nginx without the failing one. vit requests through tritonclient HTTP "
+                 "at a fixed rate (open loop); 4 LLM streams (HTTP generate_stream, client.sdk: a stream whose last "
+                 "event has no finish_reason raises) started a second before server B is hit: kill = SIGKILL, stop "
+                 "= SIGSTOP (a hung server: connections accepted by the kernel, never answered). Failed = what the "
+                 "client saw after nginx's retry. Requests sent to B: nginx's access log.",
                  *errors, f"Command line: python -m perf.failover {' '.join(argv or sys.argv[1:])}"])
     return 0
 

@@ -30,6 +30,8 @@
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
+#   "openai": perf.openai_bench (the OpenAI frontend against direct gRPC streaming) on the tiny llm, on this host's
+#   CPU and then on the GPU (OPENAI_DEVICES, "cpu cuda"; OPENAI_ARGS: more arguments, e.g. "--rounds 1");
 #   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
 #   ("llm vlm"): llm on Llama-3-8B shapes, vlm on LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes (random bf16);
 #   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10");
@@ -216,6 +218,14 @@ if [[ " ${SCENARIOS:-images} " == *" llm8b "* ]]; then
 from perf.report import hardware_line; \
 served_llm_in_process_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], Path(tempfile.mkdtemp()), \
 hardware_line('2.51.0'))" "$results" "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" openai "* ]]; then
+  for device in ${OPENAI_DEVICES:-cpu cuda}; do  # the tiny llm on this host's CPU cores, then on the GPU (bf16)
+    if [ "$device" = cpu ]; then "${build[@]}" llm --tiny --device cpu
+    else "${build[@]}" llm --tiny --precision bf16 --device cuda; fi
+    # shellcheck disable=SC2086
+    "$py" -m perf.openai_bench --results "$results" --host "${HOST:-gpu}" --label "tiny-$device" ${OPENAI_ARGS:-}
+  done
 fi
 if [[ " ${SCENARIOS:-images} " == *" qos "* ]]; then
   for family in ${QOS_FAMILIES:-llm vlm}; do

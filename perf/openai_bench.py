@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="direct / frontend rounds, alternating")
+    parser.add_argument("--label", help="results are named <date>-openai-frontend-LABEL")
     parser.add_argument("--chat-model", default="smollm2",
                         help="served for genai-perf's OpenAI chat endpoint type (where genai-perf is installed: "
                         "make genai-perf); it needs a chat template")
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         notes.append(f"genai-perf's chat endpoint was not run (genai-perf installed: {genai_perf.available()}; "
                      f"{args.chat_model} in the repository: {(args.repository / args.chat_model).is_dir()}).")
-    write_table(args.results / args.host, "openai-frontend",
+    write_table(args.results / args.host, "openai-frontend" + (f"-{args.label}" if args.label else ""),
                 ["model", "concurrency", "input tokens", "output tokens", "direct gRPC output tokens/s",
                  "frontend, SSE client", "/ direct", "frontend, openai SDK", "/ direct",
                  "rounds (direct:SSE:SDK)", "CPU cores direct (server / frontend / client)",

@@ -13,7 +13,13 @@ PY="${BUNDLE_PYTHON:-3.12}"
 VENV="${VENV:-.venv}"
 SITE="$(echo "$VENV"/lib/python3*/site-packages)"
 WHEELS=(numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.81.1 protobuf==6.33.6
-        soundfile==0.14.0 soxr==1.1.0 cffi==2.1.1 pycparser==3.12)  # audio: libsndfile, soxr (not on GPU hosts)
+        soundfile==0.14.0 soxr==1.1.0 cffi==2.1.1 pycparser==3.12   # audio: libsndfile, soxr (not on GPU hosts)
+        # the OpenAI frontend and its benchmark's client (perf.openai_bench); anyio, h11, idna, typing_extensions
+        # and uvloop are on such hosts already
+        fastapi==0.165.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 starlette==1.10.0 pydantic==2.14.4
+        pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.55.0 click==8.5.1
+        httptools==0.9.0 python-multipart==0.0.34 openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2
+        truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1)
 OUT="dist/triton-multimodal-bundle-py$PY.tar.xz"
 
 stage="$(mktemp -d)"
@@ -47,4 +53,4 @@ echo "compressing (xz) ..."
 tar -C "$stage" -cf - bundle | xz -T0 -9 > "$OUT"
 size=$(stat -c %s "$OUT")
 echo "$OUT: $((size / 1048576)) MiB"
-[ "$size" -lt $((60 * 1048576)) ] || { echo "bundle is over 60 MiB"; exit 1; }
+[ "$size" -lt $((62 * 1048576)) ] || { echo "bundle is over 62 MiB (the device takes 64 MiB in all)"; exit 1; }

@@ -31,6 +31,9 @@ class HealthParams(Parameters):
     max_ecc_errors: int = bounded(0, 0)  # uncorrected, volatile
     # an engine loop silent this long (after the allowance of the step it announced) is unhealthy
     heartbeat_timeout_s: float = bounded(0.75, 0, low_open=True)
+    # the compute and NVML checks run at most this often (probes may come ten times a second; the heartbeats are
+    # read on every one)
+    device_check_interval_s: float = bounded(1.0, 0)
 
 
 def check_compute(device_name: str, size: int) -> dict[str, Any]:
@@ -85,16 +88,24 @@ def check_engines(timeout_s: float, folder: Path | None = None) -> dict[str, Any
             "heartbeat_age_s": {k: (round(v, 3) if v != float("inf") else "process gone") for k, v in loops.items()}}
 
 
-def report(params: HealthParams, failing: str | None = None, folder: Path | None = None) -> dict[str, Any]:
-    """Every check; `failing` (fault injection in tests) names one that reports failure whatever it saw."""
+def report(params: HealthParams, failing: str | None = None, folder: Path | None = None,
+           recent: dict[str, tuple[float, dict]] | None = None) -> dict[str, Any]:
+    """Every check; `failing` (fault injection in tests) names one that reports failure whatever it saw.
+    `recent`: the caller's memory of the device checks' last results, reused within device_check_interval_s."""
     checks = {}
     for name, run in (("compute", lambda: check_compute(params.device, params.matmul_size)),
                       ("gpu", lambda: check_gpu(params)),
                       ("engines", lambda: check_engines(params.heartbeat_timeout_s, folder))):
-        try:
-            checks[name] = run()
-        except Exception as e:  # a check that cannot run is a failed check, with the reason
-            checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        last = recent.get(name) if recent is not None else None
+        if last is not None and time.monotonic() - last[0] < params.device_check_interval_s:
+            checks[name] = {**last[1], "age_s": round(time.monotonic() - last[0], 3)}
+        else:
+            try:
+                checks[name] = run()
+            except Exception as e:  # a check that cannot run is a failed check, with the reason
+                checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            if recent is not None and name != "engines":
+                recent[name] = (time.monotonic(), checks[name])
         if name == failing:
             checks[name] = {**checks[name], "ok": False, "injected": True}
     return {"healthy": all(c["ok"] for c in checks.values()), "checks": checks}

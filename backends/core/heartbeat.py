@@ -8,9 +8,13 @@ at least every IDLE_WAKE_S); a loop stuck in a step or dead stops, and its file 
 A step may legitimately take long (a batch of long clips, a big prefill). Before one, the loop dates its file
 forward by twice its longest recent step (`Heartbeat.step`), so the health check's short timeout counts from when
 the step should have ended: a hung loop is found within that timeout of its usual pace, a slow batch is not.
+
+A beat also notices when its tritonserver is gone (the stub was re-parented: the server was killed): nothing can
+reach the stub any more, so it exits instead of running on, orphaned, with its engine and memory.
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -18,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 BEAT_S = 0.1  # at most one file update per this interval
 IDLE_WAKE_S = 0.25  # an idle loop wakes this often to beat
 STEP_ALLOWANCE = 2.0  # a step is announced to take up to this many times the longest recent one
@@ -31,7 +36,8 @@ def server_folder(server_pid: int | None = None) -> Path:
 
 class Heartbeat:
     def __init__(self, model: str, folder: Path | None = None):
-        self.path = (folder or server_folder()) / f"{model}.{os.getpid()}"
+        self.server_pid = os.getppid()
+        self.path = (folder or server_folder(self.server_pid)) / f"{model}.{os.getpid()}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch()
         self.last = time.monotonic()
@@ -42,6 +48,10 @@ class Heartbeat:
         """Alive now; `busy_s`: the next beat is due only that much later (a long step is starting)."""
         now, ahead = time.monotonic(), busy_s > BEAT_S
         if now - self.last >= BEAT_S or ahead or self.ahead:  # a file dated ahead is brought back at once
+            if os.getppid() != self.server_pid:
+                log.error("%s: its tritonserver (pid %d) is gone; exiting", self.path.name, self.server_pid)
+                self.path.unlink(missing_ok=True)
+                os._exit(1)
             due = time.time() + busy_s
             os.utime(self.path, (due, due))
             self.last, self.ahead = now, ahead

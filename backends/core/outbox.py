@@ -25,16 +25,17 @@ class _Message:
     text: str | None  # a text delta (merged with the stream's next ones), or None: `response` as it is
     response: object = None
     final: bool = False
+    finish_reason: str | None = None  # of a final text delta
 
 
 class Outbox:
     """Sends responses, polls cancellation and sets metrics for a decoupled model's engine loop, on `threads`
     threads; each stream belongs to one of them, so its responses keep their order.
 
-    `text_response(text)` builds the response for a (merged) text delta; `update_metrics(gauges, totals)` sets the
-    metrics. Cancelled requests of watched streams are reported through `cancelled()` by their key."""
+    `text_response(text, finish_reason)` builds the response for a (merged) text delta; `update_metrics(gauges,
+    totals)` sets the metrics. Cancelled requests of watched streams are reported through `cancelled()` by their key."""
 
-    def __init__(self, text_response: Callable[[str], object], final_flag: int,
+    def __init__(self, text_response: Callable[[str, str | None], object], final_flag: int,
                  update_metrics: Callable[[dict, dict], None], poll_s: float = 0.01, name: str = "outbox",
                  threads: int = 1):
         self._shards = [_OutboxThread(text_response, final_flag, update_metrics, poll_s, name if threads == 1
@@ -51,8 +52,8 @@ class Outbox:
                 self._owners[id(sender)] = shard
         return shard
 
-    def text(self, sender, text: str, final: bool = False) -> None:
-        self._shard(sender, final).text(sender, text, final)
+    def text(self, sender, text: str, final: bool = False, finish_reason: str | None = None) -> None:
+        self._shard(sender, final).text(sender, text, final, finish_reason)
 
     def send(self, sender, response=None, final: bool = True) -> None:
         """A response as it is (an error, a JSON answer), or with `response` None only the final flag."""
@@ -77,7 +78,7 @@ class Outbox:
 class _OutboxThread:
     """One thread of an outbox and the streams it serves."""
 
-    def __init__(self, text_response: Callable[[str], object], final_flag: int,
+    def __init__(self, text_response: Callable[[str, str | None], object], final_flag: int,
                  update_metrics: Callable[[dict, dict], None], poll_s: float, name: str):
         self._text_response = text_response
         self._final_flag = final_flag
@@ -94,8 +95,8 @@ class _OutboxThread:
         self._thread.start()
 
     # --- called by the engine loop ----------------------------------------------------------------------------
-    def text(self, sender, text: str, final: bool = False) -> None:
-        self._post(_Message(sender, text, final=final))
+    def text(self, sender, text: str, final: bool = False, finish_reason: str | None = None) -> None:
+        self._post(_Message(sender, text, final=final, finish_reason=finish_reason))
 
     def send(self, sender, response=None, final: bool = True) -> None:
         self._post(_Message(sender, None, response, final))
@@ -154,7 +155,8 @@ class _OutboxThread:
                 last_poll = time.monotonic()
 
     def _deliver(self, message: _Message) -> None:
-        response = self._text_response(message.text) if message.text is not None else message.response
+        response = self._text_response(message.text, message.finish_reason) if message.text is not None \
+            else message.response
         flags = self._final_flag if message.final else 0
         if message.final:
             self._watched.pop(id(message.sender), None)
@@ -184,7 +186,7 @@ def merge_deltas(messages: list[_Message]) -> list[_Message]:
         previous = last.get(id(message.sender))
         if previous is not None and previous.text is not None and message.text is not None and not previous.final:
             previous.text += message.text
-            previous.final = message.final
+            previous.final, previous.finish_reason = message.final, message.finish_reason
             continue
         merged.append(message)
         last[id(message.sender)] = message

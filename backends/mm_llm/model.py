@@ -351,9 +351,10 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         elif stream.stream:
             delta = pending_text(seq)
             if seq.finished or delta:  # always a final response, possibly empty: clients see where the stream ends
-                self.outbox.text(stream.sender, delta, final=seq.finished)
+                self.outbox.text(stream.sender, delta, final=seq.finished,
+                                 finish_reason=seq.finish_reason if seq.finished else None)
         elif seq.finished:
-            self.outbox.text(stream.sender, seq.text, final=True)
+            self.outbox.text(stream.sender, seq.text, final=True, finish_reason=seq.finish_reason)
         if seq.output_ids:
             stream.last = time.monotonic()
             if stream.first is None:
@@ -380,8 +381,11 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         admission = self.engine.qos.admission
         self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
 
-    def _text(self, text: str):
-        return self.pb.InferenceResponse([self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))])
+    def _text(self, text: str, finish_reason: str | None = None):
+        outputs = [self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
+        if finish_reason is not None:  # the final response: the stream ended here on purpose
+            outputs.append(self.pb.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=np.object_)))
+        return self.pb.InferenceResponse(outputs)
 
     def _fail(self, sender, exc: BaseException) -> None:
         """Fail a request from `execute` (the loop's failures go through the outbox)."""

@@ -2,11 +2,14 @@
 streaming, images reach `vlm`, `anyres` tiles come back through `Client.tile`, and `generate --image` in the CLI."""
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import pytest
 from tritonclient.utils import InferenceServerException
 
 from client.__main__ import main
-from client.sdk import Client
+from client.sdk import Client, server_sent_events
 from tests.conftest import encode, random_image
 
 PROMPT = "a photo of the cat"
@@ -22,6 +25,17 @@ def test_http_generate_equals_grpc_for_llm(server, stream):
     assert "".join(over_http) == "".join(over_grpc) != ""
     if not stream:
         assert len(over_http) == len(over_grpc) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_the_last_event_says_why_the_generation_ended(server, stream):
+    """A client (and client.sdk) tells a finished stream from one a failed server or a proxy cut short by it."""
+    body = {"text_input": PROMPT, "max_tokens": 5, "min_length": 5, "stream": stream}
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://{server.http_url}/v2/models/llm/generate_stream", json.dumps(body).encode(),
+            {"Content-Type": "application/json"}), timeout=60) as response:
+        events = list(server_sent_events(response))
+    assert [e.get("finish_reason") for e in events] == [None] * (len(events) - 1) + ["length"], events
 
 
 def test_http_generate_raises_the_servers_message(server):

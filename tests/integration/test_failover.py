@@ -1,14 +1,23 @@
-"""Two real tritonservers behind a real nginx (perf/failover.py), one killed under a steady load: no request is
-lost, nginx stops sending to the dead server within a second, and the LLM streams all end (none hangs). nginx is
-installed by `make setup`."""
+"""Two real tritonservers behind a real nginx (perf/failover.py), one killed or hung under a steady load: no
+request is lost, nginx stops sending to the failed server within a second (a hung one: with the active checks of
+client.balancer), and the LLM streams all end, the ones cut short with an error. nginx is installed by
+`make setup`."""
 from __future__ import annotations
 
-from perf.failover import run, summary
+import pytest
+
+from perf.failover import STREAM_READ_TIMEOUT_S, run, summary
 
 
-def test_a_killed_server_loses_no_request_and_leaves_the_rotation(repository, tmp_path):
-    result = run(repository, tmp_path, rate=20, duration_s=5, kill_after_s=2.5, streams=2, stream_tokens=200)
+@pytest.mark.parametrize("fault, active", [("kill", False), ("stop", True)], ids=["killed", "hung-active-checks"])
+def test_a_failed_server_loses_no_request_and_leaves_the_rotation(repository, tmp_path, fault, active):
+    result = run(repository, tmp_path, rate=20, duration_s=5, kill_after_s=2.5, streams=2, stream_tokens=200,
+                 fault=fault, active=active)
     figures = summary(result)
     assert figures["requests"] == 100 and figures["failed"] == 0, [o.error for o in result.requests if o.error]
-    assert figures["last of them ended, s after the fault"] < 1.0
-    assert all(s.end - result.killed_at < 30 for s in result.streams)  # every stream ended; none hangs
+    assert figures["last of them sent, s after the fault"] < 1.0, figures
+    if active:
+        assert figures["active checks took B out, s after the fault"] < 1.0, figures
+    # the streams B was serving raise (their last event has no finish_reason); the others finish
+    assert figures["streams ended with an error"] == figures["streams on B"], figures
+    assert all(s.end - result.killed_at < STREAM_READ_TIMEOUT_S + 5 for s in result.streams)  # none hangs

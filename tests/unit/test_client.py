@@ -267,6 +267,16 @@ def test_error_event_raises_with_the_servers_message_after_earlier_deltas():
         next(texts)
 
 
+def test_a_generation_cut_before_its_finish_reason_raises():
+    whole = [{"text_output": "a"}, {"text_output": "b", "finish_reason": ["length"]}]
+    assert list(generated_texts(whole, until_finished=True)) == ["a", "b"]
+    texts = generated_texts(whole[:1], until_finished=True)
+    assert next(texts) == "a"
+    with pytest.raises(InferenceServerException, match="cut"):
+        next(texts)
+    assert list(generated_texts(whole[:1])) == ["a"]  # answers (adapter actions) end without one
+
+
 def test_http_error_message_prefers_the_json_error():
     assert http_error_message(400, "Bad Request", b'{"error": "unknown model"}') == "unknown model"
     assert http_error_message(502, "Bad Gateway", b"<html>up</html>") == "HTTP 502 Bad Gateway: <html>up</html>"
@@ -291,7 +301,7 @@ class CannedTriton(BaseHTTPRequestHandler):
             self.chunk(b'data: {"model_name":"llm","model_version":"1","text_output":"Hello"}\n\n')
             CannedTriton.released_in_time.append(CannedTriton.released.wait(10))
             self.chunk(b'data: {"model_name":"llm","model_version":"1","text_output":" world"}\n\n')
-            self.chunk(b'data: {"model_name":"llm","model_version":"1","text_output":""}\n\n')
+            self.chunk(b'data: {"model_name":"llm","model_version":"1","text_output":"","finish_reason":"stop"}\n\n')
             self.chunk(b"")
         elif model == "broken":
             self.start_events()

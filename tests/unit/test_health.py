@@ -1,5 +1,5 @@
 """The deep health check's parts without a server: heartbeats age and go stale, the compute check's known answer,
-NVML absent is skipped, an injected failure shows, and our batcher beats while idle."""
+NVML absent is skipped, an injected failure shows, our batcher beats while idle, and the balancer's active checks."""
 from __future__ import annotations
 
 import os
@@ -69,3 +69,55 @@ def test_a_step_announces_twice_the_longest_recent_step(tmp_path):
         assert check_engines(0.1, tmp_path)["ok"]
     time.sleep(0.15)  # the step ended, the loop went quiet: stale after the timeout, not after the allowance
     assert not check_engines(0.1, tmp_path)["ok"]
+
+
+def test_the_balancer_marks_a_failing_server_down_at_once_and_up_after_rise_probes(tmp_path, monkeypatch):
+    import client.balancer as balancer
+
+    healthy = {"a:8000": True, "b:8000": True}
+    monkeypatch.setattr(balancer, "probe", lambda server, timeout_s: healthy[server])
+    reloads = []
+    watcher = balancer.Watcher(list(healthy), tmp_path / "upstream.conf", lambda: reloads.append(1), rise=2)
+    assert not watcher.poll() and " down" not in (tmp_path / "upstream.conf").read_text()
+    healthy["b:8000"] = False
+    assert watcher.poll() and reloads == [1]
+    assert "server b:8000 max_fails=1 fail_timeout=10s down;" in (tmp_path / "upstream.conf").read_text()
+    healthy["b:8000"] = True
+    assert not watcher.poll()  # one healthy probe is not enough to come back
+    assert watcher.poll() and " down" not in (tmp_path / "upstream.conf").read_text() and reloads == [1, 1]
+    healthy.update({"a:8000": False, "b:8000": False})
+    watcher.poll()  # everyone failing: all stay listed, passive checks decide
+    assert " down" not in (tmp_path / "upstream.conf").read_text()
+    watcher.stop()
+
+
+def test_a_loop_whose_server_is_gone_exits(tmp_path):
+    """A stub whose tritonserver was killed is re-parented: its next beat ends it instead of leaving it orphaned."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    loop = ("import sys, time; from pathlib import Path; from backends.core.heartbeat import Heartbeat; "
+            f"beat = Heartbeat('llm', Path({str(tmp_path)!r}))\nwhile True: beat.beat(); time.sleep(0.02)")
+    server = subprocess.Popen(["bash", "-c", 'python -c "$LOOP" & echo $!; wait'], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "LOOP": loop, "PATH": f"{Path(sys.executable).parent}:"
+                                              f"{os.environ['PATH']}", "PYTHONPATH": str(Path.cwd())})
+    stub = int(server.stdout.readline())
+    deadline = time.monotonic() + 30
+    while not ages(tmp_path):  # the loop is beating
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+
+    def alive() -> bool:
+        try:
+            return Path(f"/proc/{stub}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return False
+
+    while alive():
+        assert time.monotonic() < deadline, "the orphaned loop kept running"
+        time.sleep(0.05)
+    assert ages(tmp_path) == {}  # and it took its heartbeat file with it

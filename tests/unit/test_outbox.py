@@ -33,7 +33,7 @@ class Request:
 
 
 def outbox(**kwargs) -> Outbox:
-    return Outbox(lambda text: ("text", text), FINAL, lambda gauges, totals: None, poll_s=0.001, **kwargs)
+    return Outbox(lambda text, finish_reason: ("text", text) + ((finish_reason,) if finish_reason else ()), FINAL, lambda gauges, totals: None, poll_s=0.001, **kwargs)
 
 
 def wait_for(condition, timeout_s: float = 5.0) -> None:
@@ -46,10 +46,10 @@ def wait_for(condition, timeout_s: float = 5.0) -> None:
 def test_deltas_merge_per_stream_and_other_responses_keep_their_place():
     a, b = Sender(), Sender()
     messages = [_Message(a, "he"), _Message(b, "x"), _Message(a, "llo"), _Message(a, None, "error", True),
-                _Message(b, "y", final=True)]
+                _Message(b, "y", final=True, finish_reason="stop")]
     merged = merge_deltas(messages)
-    assert [(m.sender, m.text, m.response, m.final) for m in merged] == [
-        (a, "hello", None, False), (b, "xy", None, True), (a, None, "error", True)]
+    assert [(m.sender, m.text, m.response, m.final, m.finish_reason) for m in merged] == [
+        (a, "hello", None, False, None), (b, "xy", None, True, "stop"), (a, None, "error", True, None)]
 
 
 def test_a_slow_server_gets_fewer_larger_responses_in_order_and_the_final_last():
@@ -58,9 +58,9 @@ def test_a_slow_server_gets_fewer_larger_responses_in_order_and_the_final_last()
     wait_for(lambda: sender.threads)  # the first send is on its way
     for i in range(40):
         box.text(sender, str(i % 10))
-    box.text(sender, "!", final=True)
+    box.text(sender, "!", final=True, finish_reason="length")
     box.close()
-    assert sender.sent == [(("text", ">"), 0), (("text", "0123456789" * 4 + "!"), FINAL)]
+    assert sender.sent == [(("text", ">"), 0), (("text", "0123456789" * 4 + "!", "length"), FINAL)]
     assert sender.threads == {"outbox"}
 
 
@@ -94,7 +94,7 @@ def test_a_failing_send_does_not_stop_the_outbox_and_after_close_sends_are_direc
 
 def test_metrics_are_set_on_the_outbox_thread_with_the_latest_values():
     seen = []
-    box = Outbox(lambda text: text, FINAL, lambda gauges, totals: seen.append((gauges, threading.current_thread().name)),
+    box = Outbox(lambda text, finish_reason: text, FINAL, lambda gauges, totals: seen.append((gauges, threading.current_thread().name)),
                  poll_s=0.001)
     box.metrics({"g": 1}, {})
     box.metrics({"g": 2}, {})

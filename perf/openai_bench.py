@@ -74,6 +74,12 @@ class CpuMeter:
         self.frontend_pid = frontend_pid
 
     @staticmethod
+    def family(pid: int) -> list[int]:
+        """`pid` and its children (the frontend's worker processes)."""
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        return [pid, *map(int, children.read_text().split())] if children.exists() else [pid]
+
+    @staticmethod
     def seconds(pid: int) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -92,7 +98,7 @@ class CpuMeter:
 
     def measure(self, run) -> tuple[object, dict[str, float]]:
         """`run()`'s result and the cores each part used meanwhile."""
-        groups = {"server": self.server_pids(), "frontend": [self.frontend_pid], "client": [os.getpid()]}
+        groups = {"server": self.server_pids(), "frontend": self.family(self.frontend_pid), "client": [os.getpid()]}
         before = {k: sum(self.seconds(p) for p in pids) for k, pids in groups.items()}
         start = time.perf_counter()
         result = run()
@@ -100,9 +106,9 @@ class CpuMeter:
         return result, {k: (sum(self.seconds(p) for p in pids) - before[k]) / wall for k, pids in groups.items()}
 
 
-def start_frontend(grpc_url: str, repository: Path, port: int) -> subprocess.Popen:
+def start_frontend(grpc_url: str, repository: Path, port: int, workers: int = 1) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, "-m", "frontend", "--host", "127.0.0.1", "--port", str(port),
-                                "--triton", grpc_url, "--repository", str(repository)],
+                                "--triton", grpc_url, "--repository", str(repository), "--workers", str(workers)],
                                stdout=subprocess.DEVNULL, stderr=open("logs/bench-openai-frontend.log", "wb"),
                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 60
@@ -144,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="direct / frontend rounds, alternating")
     parser.add_argument("--label", help="results are named <date>-openai-frontend-LABEL")
+    parser.add_argument("--frontend-workers", type=int, default=1, help="python -m frontend --workers")
     parser.add_argument("--chat-model", default="smollm2",
                         help="served for genai-perf's OpenAI chat endpoint type (where genai-perf is installed: "
                         "make genai-perf); it needs a chat template")
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(args.repository, free_port(), free_port(), free_port(), Path("logs/bench-openai.log"),
                           model_control="explicit", load_models=[args.model])
     with server:
-        frontend = start_frontend(server.grpc_url, args.repository, port := free_port())
+        frontend = start_frontend(server.grpc_url, args.repository, port := free_port(), args.frontend_workers)
         try:
             for concurrency in args.concurrency:
                 spec = LoadSpec(concurrency, args.input_tokens, args.output_tokens, requests=4 * concurrency)
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                  "closed loop, output length forced (min_length / min_tokens), greedy; each round runs direct, then the "
                  "frontend read as plain SSE (httpx2, json per line), then through the official openai client's "
                  "async streaming (its per-chunk parsing is part of that column). Tokens counted with the model's tokenizer on each request's text. The frontend runs as "
-                 "its own process (python -m frontend) on the same machine as tritonserver and the load generator.",
+                 "its own process (python -m frontend, --workers as the command line says, 1 by default) on the same machine as tritonserver and the load generator.",
                  "CPU cores: CPU time over wall time during the last round, from /proc: server = tritonserver and its "
                  "python stubs (the engine), client = this load generator.",
                  *notes, f"Command line: python -m perf.openai_bench {' '.join(argv or sys.argv[1:])}"])

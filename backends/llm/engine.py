@@ -102,6 +102,9 @@ class LLMEngine:
                                 gemv=config.decode_linear == "gemv")
         args = self.model.args
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        # the longest text a prompt that fits the context can be: every token its vocabulary's longest, 4 UTF-8
+        # bytes a character; longer text is refused before it is tokenized
+        self.max_prompt_bytes = self.max_model_len * 4 * max(map(len, self.tokenizer.get_vocab()), default=1)
         eos = set(args.eos_token_ids)
         if (Path(checkpoint) / "generation_config.json").exists():
             generation_eos = GenerationConfig.from_pretrained(checkpoint).eos_token_id

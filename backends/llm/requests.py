@@ -64,12 +64,17 @@ def read_adapter_action(inputs: Inputs) -> AdapterAction | None:
     return AdapterAction(action, name)
 
 
-def read_generation_request(inputs: Inputs, max_tokens_limit: int) -> GenerationRequest:
+def read_generation_request(inputs: Inputs, max_tokens_limit: int,
+                            max_prompt_bytes: int | None = None) -> GenerationRequest:
+    """`max_prompt_bytes`: longer text cannot fit the context; refused before it is tokenized."""
     prompt = inputs.text("text_input")
     if prompt is None:
         raise InvalidInput("text_input must hold exactly one string")
     if not prompt:
         raise InvalidInput("text_input is empty")
+    if max_prompt_bytes is not None and (size := len(prompt.encode())) > max_prompt_bytes:
+        raise InvalidInput(f"text_input is {size} bytes: longer than any prompt that fits the context of "
+                           f"{max_tokens_limit} tokens can be ({max_prompt_bytes} bytes)")
     max_tokens = inputs.scalar("max_tokens", int)
     if max_tokens is None:
         raise InvalidInput("max_tokens is required")

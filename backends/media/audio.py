@@ -21,6 +21,7 @@ class AudioLimits:
     max_seconds: float = 3600.0
     max_channels: int = 2
     max_sample_rate: int = 48_000
+    min_sample_rate: int = 4_000  # below this nothing is speech; a 1 Hz header makes 7 KB an hour of audio
 
 
 def decode_audio(data: bytes, limits: AudioLimits = AudioLimits(), rate: int = SAMPLE_RATE) -> np.ndarray:
@@ -39,6 +40,9 @@ def decode_audio(data: bytes, limits: AudioLimits = AudioLimits(), rate: int = S
         raise InvalidInput(f"audio has {info.channels} channels; at most {limits.max_channels} are accepted")
     if info.samplerate > limits.max_sample_rate:
         raise InvalidInput(f"audio sample rate {info.samplerate} Hz is above the limit of {limits.max_sample_rate} Hz")
+    if info.samplerate < limits.min_sample_rate:
+        raise InvalidInput(f"audio sample rate {info.samplerate} Hz is below the lowest accepted, "
+                           f"{limits.min_sample_rate} Hz")
     if info.frames > 0 and info.frames / info.samplerate > limits.max_seconds:
         raise InvalidInput(f"audio is {info.frames / info.samplerate:.0f} s long; the limit is "
                            f"{limits.max_seconds:.0f} s")

@@ -36,8 +36,10 @@ def open_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
     except UnidentifiedImageError:
         raise InvalidInput(f"image bytes ({len(data)} bytes, starting {data[:8]!r}) are not a known image "
                            "format (JPEG, PNG, WebP, GIF, BMP, TIFF, ...)") from None
-    except OSError as exc:
-        raise InvalidInput(f"image header is corrupt: {exc}") from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # Pillow's format plugins raise OSError, ValueError, SyntaxError, struct.error, ...
+        raise InvalidInput(f"image header is corrupt: {type(exc).__name__}: {exc}") from None
     width, height = image.size
     if width * height > max_pixels:
         raise InvalidInput(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")
@@ -51,9 +53,23 @@ def load_rgb(image: Image.Image) -> Image.Image:
     try:
         image.load()
         image = ImageOps.exif_transpose(image)
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise InvalidInput(f"image data is corrupt or truncated: {exc}") from None
-    return to_rgb(image)
+        return to_rgb(image)
+    except MemoryError:
+        raise
+    except Exception as exc:  # as in open_image: whatever a plugin raises on bad data
+        raise InvalidInput(f"image data is corrupt or truncated: {type(exc).__name__}: {exc}") from None
+
+
+def check_resize(width: int, height: int, target: tuple[int, int], max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """A model's resize of a width x height image to `target` (height, width) must keep a pixel on each side and
+    stay within `max_pixels`: an extreme aspect ratio (a 20000x1 PNG is 143 bytes) is refused, not resized to
+    gigapixels or to nothing."""
+    new_height, new_width = target
+    if new_height < 1 or new_width < 1 or new_height * new_width > max_pixels:
+        ratio = max(width, height) / min(width, height)
+        raise InvalidInput(f"image is {width}x{height} (aspect ratio {ratio:.0f}:1): this model would resize it to "
+                           f"{new_width}x{new_height}, " + ("an empty image" if min(target) < 1 else
+                                                            f"above the limit of {max_pixels} pixels"))
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -114,7 +130,9 @@ class ImagePreprocessor:
         if "shortest_edge" in self.size:
             short, long = (width, height) if width <= height else (height, width)
             new_short, new_long = self.size["shortest_edge"], int(self.size["shortest_edge"] * long / short)
-            return (new_long, new_short) if width <= height else (new_short, new_long)
+            target = (new_long, new_short) if width <= height else (new_short, new_long)
+            check_resize(width, height, target)
+            return target
         return self.size["height"], self.size["width"]
 
     def __call__(self, image: Image.Image) -> np.ndarray:

@@ -78,6 +78,7 @@ class Pending:
     ticket: Ticket
     fault: str | None = None
     prepared: Future | None = None  # work started in `execute` that must finish before the request is admitted
+    prompt_ids: list[int] | None = None  # its prompt tokenized in `execute` (llm), not on the engine loop
     lora: tuple[tuple[LoraAdapter, float], ...] = ()  # its adapters and their shares
 
 
@@ -175,8 +176,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                     self._control(action, sender)
                     continue
                 ticket = self.engine.qos.ticket(read_qos_class(json.loads(request.parameters() or "{}")))
-                pending = Pending(request, sender, read_generation_request(inputs, self.engine.max_model_len), ticket,
-                                  fault)
+                pending = Pending(request, sender, read_generation_request(inputs, self.engine.max_model_len,
+                                                                           self.engine.max_prompt_bytes), ticket, fault)
                 if pending.ask.lora_id:  # read from the root here if need be, not on the engine loop
                     pending.lora = self.engine.choose_adapters(pending.ask.lora_id, pending.ask.prompt)
                 self.engine.qos.admit(ticket)  # the class's queue is full: refused now (UNAVAILABLE)
@@ -210,7 +211,9 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
 
     def prepare(self, inputs: Inputs, pending: Pending) -> Future | None:
         """Per-request work started in `execute` (the VLM's image decoding): a Future keeps the request out of the
-        engine until it is done, without holding up `execute`; it must set `self.wake` when done."""
+        engine until it is done, without holding up `execute`; it must set `self.wake` when done. Here: the prompt
+        is tokenized (the tokenizer releases the GIL; on the engine loop a long prompt held up every stream)."""
+        pending.prompt_ids = self.engine.tokenizer(pending.ask.prompt)["input_ids"]
         return None
 
     def engine_inputs(self, batch: list[Pending]) -> list[EngineInput | Exception]:
@@ -220,7 +223,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             inject(pending.fault, "infer")
             if pending.fault == "stall":  # a hung engine loop, for the health check's tests
                 time.sleep(STALL_S)
-        return [EngineInput(pending.ask.prompt) for pending in batch]
+        return [EngineInput(pending.prompt_ids if pending.prompt_ids is not None else pending.ask.prompt)
+                for pending in batch]
 
     def finalize(self) -> None:
         self.running = False

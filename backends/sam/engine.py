@@ -19,7 +19,7 @@ from backends.core.batcher import BatchingParams
 from backends.core.errors import InvalidInput
 from backends.core.params import bounded, choice, device
 from backends.core.runtime import RUNTIMES, load_runtime
-from backends.media.images import DEFAULT_MAX_PIXELS, decode_image
+from backends.media.images import DEFAULT_MAX_PIXELS, check_resize, decode_image
 
 LOW_RES = 256  # side of the decoder's low-res masks (and of mask_input)
 
@@ -103,7 +103,11 @@ class SamEngine:
         key = key or image_key(data)
         entry = self.cache.get(key)
         if entry is None:
-            inputs = self.processor(images=decode_image(data, self.max_pixels), return_tensors="np")
+            image = decode_image(data, self.max_pixels)
+            # SamProcessor's resize: the longest side to its longest_edge (1024)
+            scale = self.processor.image_processor.size["longest_edge"] / max(image.size)
+            check_resize(*image.size, (int(image.height * scale + 0.5), int(image.width * scale + 0.5)))
+            inputs = self.processor(images=image, return_tensors="np")
             entry = Embedded(self.encoder.run({"pixel_values": inputs["pixel_values"]})["image_embeddings"],
                              tuple(inputs["original_sizes"][0].tolist()),
                              tuple(inputs["reshaped_input_sizes"][0].tolist()))

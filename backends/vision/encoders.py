@@ -88,9 +88,13 @@ class ImageEncoder:
         if self.preprocess is None:  # `encode`: a pixel tensor (FP32, shaped by the model's config) as it came
             return data
         if self.pixel_device is not None:  # checked, and decoded unless nvJPEG takes it in `infer`
-            from backends.media.device_images import read_on_host
+            from backends.media.device_images import Jpeg, read_on_host
 
-            return read_on_host(data, self.nvjpeg, self.max_pixels)
+            item = read_on_host(data, self.nvjpeg, self.max_pixels)
+            width, height = item.size if isinstance(item, Jpeg) else (item.shape[2], item.shape[1])
+            if self.preprocess.do_resize:  # an extreme aspect ratio is refused here, this image alone
+                self.preprocess.resized_size(height, width)
+            return item
         return self.preprocess(decode_image(data, self.max_pixels))
 
     def infer(self, batches: list[list[Any]]) -> list[Any]:

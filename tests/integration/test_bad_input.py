@@ -4,12 +4,13 @@ import time
 
 import numpy as np
 import pytest
+from PIL import Image
 import tritonclient.grpc as grpc
 import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from client.sdk import Client
-from tests.conftest import encode, random_image
+from tests.conftest import encode, random_image, wav
 from tests.unit.test_images import png_header_only
 
 GOOD = encode(random_image(64, 48))
@@ -34,6 +35,14 @@ CASES = [  # (model, inputs, text the error must contain)
     # dtype and shape are checked by Triton itself against config.pbtxt
     ("vit", {"image": np.zeros((1, 1), dtype=np.float32)}, "data-type is .FP32., but model .vit. expects .BYTES."),
     ("vit", {"image": image_column(GOOD, GOOD).reshape(1, 2)}, "unexpected shape|shape"),
+    # found by a hostile run (issue 21): Pillow's ValueError escaped as INTERNAL; a 143-byte 20000x1 PNG took
+    # 26-103 s and GBs to resize for CLIP (SAM: "height=0"); a 1 Hz WAV was an hour of audio
+    ("vit", {"image": image_column(b"P6\n1a 1\n255\n\x00\x00\x00")}, "image header is corrupt: ValueError"),
+    ("clip_vision", {"image": image_column(encode(Image.new("RGB", (20000, 1))))}, "aspect ratio 20000:1"),
+    ("sam", {"image": np.array([encode(Image.new("RGB", (20000, 1)))], dtype=object),
+             "point_coords": np.array([[1.0, 1.0]], dtype=np.float32), "point_labels": np.array([1], dtype=np.int32)},
+     "aspect ratio 20000:1.*an empty image"),
+    ("whisper", {"audio": image_column(wav(np.zeros(3600, dtype=np.float32), 1))}, "sample rate 1 Hz is below"),
 ]
 
 
@@ -41,7 +50,8 @@ CASES = [  # (model, inputs, text the error must contain)
 @pytest.mark.parametrize("model, inputs, message", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_is_invalid_arg_and_server_keeps_serving(server, protocol, model, inputs, message):
     client = Client(server.http_url if protocol == "http" else server.grpc_url, protocol)
-    output = {"vit": "logits", "clip_vision": "image_embeds", "clip_text": "text_embeds", "clip": "scores"}[model]
+    output = {"vit": "logits", "clip_vision": "image_embeds", "clip_text": "text_embeds", "clip": "scores",
+              "sam": "masks", "whisper": "text"}[model]
     with pytest.raises(InferenceServerException) as info:
         client.infer(model, inputs, [output])
     status = str(info.value.status())

@@ -123,6 +123,7 @@ def test_cancelled_stream_frees_its_kv_blocks(server):
     ("hi", 10**9, {}, "max_tokens must be between 1 and 512, got 1000000000"),
     ("hi", 4, {"temperature": np.float32(-1)}, "temperature must be a finite number >= 0"),
     ("the " * 600, 4, {}, "exceeds the context length 512"),
+    ("x " * 4_000_000, 4, {}, "text_input is 8000000 bytes: longer than any prompt that fits"),  # not tokenized
 ])
 def test_bad_generation_input_is_rejected_and_server_keeps_serving(server, prompt, max_tokens, extra, message):
     (bad,) = run(streams(server.grpc_url, [(prompt, max_tokens, extra)]))

@@ -74,6 +74,8 @@ BAD = {
     "8 channels 96 kHz": (wav(noise(0.2, 96000, channels=8), 96000), "8 channels"),
     "2 hours": (silent_flac(7200), "7200 s long"),
     "NaN samples": (wav(np.full(1600, np.nan, dtype=np.float32), subtype="FLOAT"), "NaN"),
+    # 3,600 samples at 1 Hz: 7 KB that resampled to 16 kHz was an hour of audio (40 s of an instance's time)
+    "1 Hz": (wav(np.zeros(3600, dtype=np.float32), 1), "sample rate 1 Hz is below"),
 }
 
 

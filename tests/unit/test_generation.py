@@ -59,3 +59,12 @@ def test_unknown_request_parameters_are_refused_but_tritons_own_pass():
     assert check_request_parameters('{"inject_fault": "read"}', fault_parameter="inject_fault") == "read"
     with pytest.raises(InvalidInput, match="inject_fault"):  # only where fault injection is enabled
         check_request_parameters('{"inject_fault": "read"}')
+
+
+def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing():
+    """An 8 MB prompt was tokenized on the engine loop (every stream stalled 18 s) before its length was checked."""
+    huge = reader(text_input=("x " * 4_000_000).encode(), max_tokens=np.int32(4))
+    with pytest.raises(InvalidInput, match="text_input is 8000000 bytes: longer than any prompt that fits the "
+                                           "context of 512 tokens can be"):
+        read_generation_request(huge, max_tokens_limit=512, max_prompt_bytes=512 * 4 * 16)
+    assert read_generation_request(reader(text_input=b"x" * 100, max_tokens=np.int32(4)), 512, 100).prompt

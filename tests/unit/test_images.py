@@ -1,6 +1,7 @@
 """Decoding and preprocessing: equal to the checkpoint's Hugging Face image processor; bad images rejected."""
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from backends.core.errors import InvalidInput
-from backends.media.images import ImagePreprocessor, decode_image
+from backends.media.images import ImagePreprocessor, check_resize, decode_image
 from tests.conftest import encode, random_image
 
 SIZES = [(224, 224), (640, 480), (480, 640), (97, 301), (1000, 37), (16, 16), (3000, 2000)]
@@ -62,10 +63,21 @@ def png_header_only(width: int, height: int) -> bytes:
     (png_header_only(20000, 20000), "decompression bomb"),
     (png_header_only(7000, 7000), "above the limit"),
     (encode(random_image(64, 64))[:200], "corrupt or truncated"),
+    (b"P6\n1a 1\n255\n\x00\x00\x00", "header is corrupt: ValueError"),  # Pillow's PPM plugin: ValueError
 ])
 def test_bad_images_are_invalid_input(data, message):
     with pytest.raises(InvalidInput, match=message):
         decode_image(data)
+
+
+def test_an_extreme_aspect_ratio_is_refused_before_the_resize(clip_checkpoint):
+    """A 143-byte 20000x1 PNG, resized shortest edge to 224, was 224 x 4,480,000 pixels (26-52 s, 9.8 GB)."""
+    preprocess = ImagePreprocessor.from_json(Path(clip_checkpoint) / "preprocessor_config.json")
+    with pytest.raises(InvalidInput, match=r"20000x1 \(aspect ratio 20000:1\).*above the limit"):
+        preprocess(decode_image(encode(Image.new("RGB", (20000, 1)))))
+    assert preprocess(decode_image(encode(Image.new("RGB", (2000, 100))))).shape[0] == 3  # 20:1 is fine
+    with pytest.raises(InvalidInput, match="an empty image"):
+        check_resize(20000, 1, (1024, 0))
 
 
 def test_real_20000x20000_png_is_rejected_before_decoding():

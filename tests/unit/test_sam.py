@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from backends.core.errors import InvalidInput
 from backends.media.images import decode_image
@@ -160,3 +161,5 @@ def test_bad_mask_input_and_corrupt_image_are_refused(engine):
         engine.segment(encode(random_image(64, 64)), point, label, mask_input=np.zeros((1, 64, 64), np.float32))
     with pytest.raises(InvalidInput, match="not a known image format"):
         engine.segment(b"corrupt", point, label)
+    with pytest.raises(InvalidInput, match="20000x1 .* an empty image"):  # was a ValueError "height=0": INTERNAL
+        engine.segment(encode(Image.new("RGB", (20000, 1))), point, label)

@@ -131,6 +131,7 @@ class TritonServer:
     trace_rate: int = 1
     trace_log_frequency: int = 1
     startup_timeout_s: float = 180.0
+    address: str = "127.0.0.1"  # where HTTP, gRPC and metrics listen: loopback unless asked (0.0.0.0: everywhere)
     process: subprocess.Popen | None = None
 
     @property
@@ -150,6 +151,8 @@ class TritonServer:
         cmd = [str(install.binary), f"--model-repository={Path(self.repository).resolve()}",
                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
                f"--metrics-port={self.metrics_port}", f"--model-control-mode={self.model_control}",
+               f"--http-address={self.address}", f"--grpc-address={self.address}",
+               f"--metrics-address={self.address}",
                "--log-verbose=0", "--exit-timeout-secs=20", f"--backend-directory={assemble_backend_dir(install)}"]
         cmd += [f"--load-model={name}" for name in self.load_models]
         if self.cuda_memory_pool_mb is not None:
@@ -215,18 +218,19 @@ class TritonServer:
         died (killed) may leave its model stubs behind: they are killed with it (its process group)."""
         if self.process is None:
             return None
-        if self.process.poll() is not None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
             try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:  # nothing left of it
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
                 pass
-            return self.process.returncode
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        try:  # the server, if it would not stop, and stubs that outlived it (killed, or exited on its timeout)
             os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
+        except ProcessLookupError:  # nothing left of it
+            pass
+        self.process.wait()
+        remove_unmapped_shm_regions()
+        return self.process.returncode
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -235,12 +239,41 @@ class TritonServer:
         self.stop()
 
 
+def remove_unmapped_shm_regions(folder: Path = Path("/dev/shm")) -> list[str]:
+    """The python backend's shared-memory regions that no process maps any more: left by a server that was killed,
+    or that exited while a model was still live (Triton 2.51 keeps one live after a request it refused on a gRPC
+    stream, until its exit timeout). A live server maps each of its regions (within moments of making one), so this
+    never touches one in use."""
+    now = time.time()
+    regions = set()
+    for path in folder.glob("triton_*_shm_region_*") if folder.is_dir() else []:
+        try:
+            if now - path.stat().st_ctime > 10:  # not one a starting server has made but not yet mapped
+                regions.add(path.name)
+        except FileNotFoundError:
+            continue
+    if not regions:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.rsplit("/", 1)[-1] for line in maps.read_text().splitlines() if "_shm_region_" in line)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    removed = sorted(regions - mapped)
+    for name in removed:
+        (folder / name).unlink(missing_ok=True)
+    return removed
+
+
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Run tritonserver on a model repository (foreground).")
     parser.add_argument("--repository", default="model_repository")
     parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
     parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--listen", default="127.0.0.1", metavar="ADDRESS",
+                        help="address the three endpoints listen on; 0.0.0.0 for every interface (a container)")
     parser.add_argument("--model-control", choices=["none", "explicit", "poll"], default="none")
     parser.add_argument("--load-model", action="append", default=[], help="explicit mode: model to load (repeat)")
     parser.add_argument("--log-file", default="logs/tritonserver.log")
@@ -261,7 +294,8 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     server = TritonServer(Path(args.repository), args.http_port, args.grpc_port, args.metrics_port,
-                          Path(args.log_file), args.model_control, args.load_model, startup_timeout_s=args.timeout,
+                          Path(args.log_file), args.model_control, args.load_model, address=args.listen,
+                          startup_timeout_s=args.timeout,
                           cuda_memory_pool_mb=args.cuda_memory_pool_mb, trace_file=args.trace_file,
                           trace_rate=args.trace_rate, trace_log_frequency=args.trace_log_frequency)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__)
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     parser.add_argument("--port", type=int, default=int(os.environ.get("OPENAI_PORT", 9000)))
     parser.add_argument("--triton", default=f"localhost:{os.environ.get('GRPC_PORT', 8001)}", help="gRPC endpoint")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"),

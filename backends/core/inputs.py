@@ -18,6 +18,8 @@ def utf8(raw: bytes | str, name: str) -> str:
     """The one UTF-8 decoder for BYTES inputs."""
     if isinstance(raw, str):
         return raw
+    if not isinstance(raw, (bytes, bytearray, memoryview)):  # a number where a string belongs
+        raise InvalidInput(f"{name} must be a string (BYTES), got {type(raw).__name__}")
     try:
         return bytes(raw).decode("utf-8")
     except UnicodeDecodeError as e:
@@ -38,8 +40,10 @@ def check_request_parameters(parameters_json: str, hint: str = "", fault_paramet
     return fault
 
 
-def as_bytes(value: object) -> bytes:
-    return value if isinstance(value, bytes) else bytes(value)
+def as_bytes(value: object, name: str = "input") -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidInput(f"{name} must hold encoded bytes (BYTES), got {type(value).__name__}")
 
 
 class Inputs:
@@ -55,12 +59,12 @@ class Inputs:
         if array is None or array.size != 1:
             raise InvalidInput(f"{name} must hold exactly one {what}, got "
                                f"{'none' if array is None else array.size}")
-        return as_bytes(array.reshape(-1)[0])
+        return as_bytes(array.reshape(-1)[0], name)
 
     def items(self, name: str) -> list[bytes]:
         """Every element of a BYTES input of any shape, in order."""
         array = self.get(name)
-        return [] if array is None else [as_bytes(item) for item in array.reshape(-1)]
+        return [] if array is None else [as_bytes(item, name) for item in array.reshape(-1)]
 
     def text(self, name: str, default: str | None = None) -> str | None:
         """One UTF-8 string, or `default` when the input is absent."""
@@ -81,4 +85,10 @@ class Inputs:
             return default
         if array.size != 1:
             raise InvalidInput(f"{name} must hold one value, got shape {list(array.shape)}")
-        return kind(array.reshape(-1)[0])
+        value = array.reshape(-1)[0]
+        if isinstance(value, (bytes, str, np.bytes_, np.str_)):  # a BYTES tensor (Triton checks dtypes; we too)
+            raise InvalidInput(f"{name} must be a number, got {array.dtype} data")
+        try:
+            return kind(value)
+        except (ValueError, OverflowError) as e:  # int(nan), int(inf)
+            raise InvalidInput(f"{name}: {value!r} is not a valid {kind.__name__} ({e})") from None

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpc
 import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
 
 MODELS = {"vit": ["image"], "clip_vision": ["image"], "clip_text": ["text"], "clip": ["image", "text"]}  # inputs
 BACKENDS = {"vit": "mm_encoder", "clip_vision": "mm_encoder", "clip_text": "mm_encoder", "clip": "mm_clip"}
@@ -84,3 +85,26 @@ def test_launcher_refuses_a_port_in_use(server, repository):
 
     with pytest.raises(RuntimeError, match="already in use"):
         TritonServer(repository, server.http_port, server.grpc_port, server.metrics_port).start()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses a socket listens on at `port`, from /proc/net/tcp{,6} (state 0A: LISTEN)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_the_launcher_listens_on_loopback_unless_asked_and_keeps_model_control_off(server):
+    """Safe defaults: nothing listens beyond this machine, and the repository API (load/unload) is refused."""
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, as IPv4 or IPv4-mapped IPv6
+    for port in (server.http_port, server.grpc_port, server.metrics_port):
+        assert listening_addresses(port) and listening_addresses(port) <= loopback, (port, listening_addresses(port))
+    client = http.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
+        client.unload_model("vit")
+    assert client.is_model_ready("vit")

@@ -239,6 +239,36 @@ class TritonServer:
         self.stop()
 
 
+def stub_pids(server_pid: int) -> set[int]:
+    """The python backend stubs of a server started by TritonServer (they are in its process group)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[2]) == server_pid and b"triton_python_backend_stub" in (stat.parent / "cmdline").read_bytes():
+                pids.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return pids
+
+
+def supervise(server: TritonServer, poll_s: float = 1.0) -> int:
+    """Wait for the server in the foreground. A model's stub that dies (killed, crashed) is not restarted by Triton
+    2.51: the model stays READY and answers every request with "Stub process ... is not healthy". With the model
+    control off (no model is unloaded on purpose), a stub gone means that: the whole server is restarted. Returns the
+    server's exit code when it ends on its own."""
+    stubs = stub_pids(server.process.pid)
+    while server.process.poll() is None:
+        time.sleep(poll_s)
+        if server.model_control == "none" and stubs - stub_pids(server.process.pid):
+            print(f"a model stub of tritonserver {server.process.pid} died; restarting the server", flush=True)
+            server.stop()
+            server.start()
+            stubs = stub_pids(server.process.pid)
+            print(f"tritonserver ready again (pid {server.process.pid})", flush=True)
+    return server.process.returncode
+
+
 def remove_unmapped_shm_regions(folder: Path = Path("/dev/shm")) -> list[str]:
     """The python backend's shared-memory regions that no process maps any more: left by a server that was killed,
     or that exited while a model was still live (Triton 2.51 keeps one live after a request it refused on a gRPC
@@ -307,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}  "
               f"(log: {server.log_file}); Ctrl-C stops it", flush=True)
         try:
-            server.process.wait()
+            return supervise(server)
         except KeyboardInterrupt:
             print("stopping tritonserver", flush=True)
     return 0

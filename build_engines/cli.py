@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-queue-delay-us", type=int, default=2000, help="dynamic batcher window")
     parser.add_argument("--instances", type=int, default=1, help="model instances per device")
+    parser.add_argument("--max-queue-size", type=int, default=None,
+                        help="Triton-batched models: requests that may wait in the dynamic batcher's queue; one more "
+                        "is refused at once with UNAVAILABLE (default: 16 x --max-batch-size)")
     parser.add_argument("--prepare-threads", type=int, default=4, help="image decode/preprocess threads per instance")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--execution-env", default="auto",
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_batch_size, args.max_queue_delay_us, args.instances, args.device,
                             args.execution_env, args.prepare_threads, args.force, args.name, args.overrides,
                             args.calibration, args.fp8_activations, args.kv_cache_dtype, args.fp8_rounding,
-                            args.priority_levels, args.ensemble, args.preprocess_instances)
+                            args.priority_levels, args.ensemble, args.preprocess_instances, args.max_queue_size)
         try:
             FAMILIES[family](opts)
         except (RuntimeError, ValueError) as exc:  # unavailable runtime, failed verification, bad parameter: one line

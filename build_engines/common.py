@@ -60,6 +60,7 @@ class BuildOptions:
     priority_levels: bool = False  # dynamically batched models: the QoS classes as Triton priority levels
     ensemble: bool = False  # vit, clip_vision, whisper, vlm: an ensemble of a preprocessing model and the engine's
     preprocess_instances: int = 2  # instances of an ensemble's preprocessing model (CPU ones unless on the device)
+    max_queue_size: int | None = None  # Triton-batched models: requests waiting at most (None: 16 batches)
 
     def model_name(self, default: str) -> str:
         return self.name or default
@@ -90,6 +91,7 @@ class BuildOptions:
         """config.pbtxt (with this build's EXECUTION_ENV_PATH) and warm-up data into the model's folder."""
         if isinstance(config, PythonModelConfig):
             config.execution_env = execution_env(self.execution_env, self.repository / config.name)
+            config.max_queue_size = self.max_queue_size
         return write_model(self.repository, config, warmup)
 
 

@@ -48,6 +48,9 @@ class PythonModelConfig:
     warmup_file: str | None = None  # a file under <model>/warmup/ holding one serialized BYTES element
     decoupled: bool = False  # streaming: any number of responses per request (gRPC streaming and HTTP SSE)
     priority_levels: bool = False  # the QoS classes as the dynamic batcher's priority levels (costs latency: README)
+    # the dynamic batcher's queue: one more request is refused at once (UNAVAILABLE), so overload cannot grow it
+    # without bound; None: 16 full batches
+    max_queue_size: int | None = None
     gpu_inputs: bool = False  # inputs reach the model where they are (GPU tensors from an ensemble step stay there)
 
     def render(self) -> str:
@@ -58,6 +61,9 @@ class PythonModelConfig:
             config.dynamic_batching.max_queue_delay_microseconds = self.max_queue_delay_us
             if self.priority_levels:
                 priority_queues(config.dynamic_batching)
+            else:
+                config.dynamic_batching.default_queue_policy.max_queue_size = \
+                    self.max_queue_size or 16 * max(self.max_batch_size, 1)
         if self.decoupled:
             config.model_transaction_policy.decoupled = True
         config.instance_group.add(count=self.instances, kind=getattr(mc.ModelInstanceGroup, self.kind))

@@ -212,7 +212,9 @@ def summary(result: FailoverResult) -> dict[str, float | int]:
     # server's only after the read timeout)
     out_of_rotation = max((row["end"] - row["duration"] - result.killed_at for row in to_dead), default=0.0)
     broken = [s for s in result.streams if s.error is not None]
-    on_dead = [row for row in result.log if row["upstreams"][-1] == dead and row["uri"].endswith("/generate_stream")]
+    # the streams B was serving when it failed (one that had finished before is not cut)
+    on_dead = [row for row in result.log if row["upstreams"][-1] == dead and row["uri"].endswith("/generate_stream")
+               and row["end"] >= result.killed_at]
     downs = [(t - result.killed_at, server == dead) for t, server, up in result.changes or [] if not up]
     return {"requests": len(result.requests), "failed": sum(o.error is not None for o in result.requests),
             "p50 ms before": 1e3 * statistics.median(before), "p99 ms before": 1e3 * np.percentile(before, 99),
@@ -222,7 +224,7 @@ def summary(result: FailoverResult) -> dict[str, float | int]:
             "active checks took B out, s after the fault": "-" if result.changes is None
             else round(min((t for t, b in downs if b and t >= 0), default=float("nan")), 3),
             "servers taken out before the fault": "-" if result.changes is None else sum(t < 0 for t, _ in downs),
-            "streams": len(result.streams), "streams on B": len(on_dead),
+            "streams": len(result.streams), "streams on B at the fault": len(on_dead),
             "streams ended with an error": len(broken),
             "latest end of those, s after the fault": round(max((s.end - result.killed_at for s in broken),
                                                                 default=0.0), 3)}

@@ -10,13 +10,11 @@ from functools import partial
 
 import tritonclient.grpc as grpcclient
 
+from backends.core.spans import EVENTS
 from backends.server import TritonServer, free_port
 from client.sdk import generation_arrays, infer_inputs
 from client.timeline import timeline
 from tests.conftest import ROOT
-
-ENGINE_EVENTS = ["queued", "admitted", "prefill_start", "first_token", "finished"]
-
 
 def stream_with_id(server: TritonServer, request_id: str) -> int:
     """Streams a generation from `llm` sent with `request_id`; the number of responses."""
@@ -60,7 +58,7 @@ def test_one_requests_timeline_joins_tritons_trace_and_the_engines_spans(reposit
     names = [e.name for e in events]
     triton = {e.name: e.ns for e in events if e.source == "triton llm"}
     engine = {e.name: e.ns for e in events if e.source == "engine llm"}
-    assert [n for n in names if n in ENGINE_EVENTS] == ENGINE_EVENTS, names  # the engine's spans, in order
+    assert [n for n in names if n in EVENTS] == list(EVENTS), names  # the engine's spans, in order
     assert triton["REQUEST_START"] <= triton["COMPUTE_START"] <= engine["queued"] <= engine["admitted"]
     sends = sorted(e.ns for e in events if e.name == "GRPC_SEND_END")
     assert len(sends) == responses  # one per streamed response, the other request's not mixed in

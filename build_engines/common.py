@@ -60,7 +60,7 @@ class BuildOptions:
     priority_levels: bool = False  # dynamically batched models: the QoS classes as Triton priority levels
     ensemble: bool = False  # vit, clip_vision, whisper, vlm: an ensemble of a preprocessing model and the engine's
     preprocess_instances: int = 2  # instances of an ensemble's preprocessing model (CPU ones unless on the device)
-    max_queue_size: int | None = None  # Triton-batched models: requests waiting at most (None: 16 batches)
+    max_queue_size: int | None = None  # Triton-batched models: requests waiting at most (None: unbounded)
 
     def model_name(self, default: str) -> str:
         return self.name or default

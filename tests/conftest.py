@@ -106,3 +106,11 @@ def server(repository) -> TritonServer:
     with TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-tritonserver.log",
                       env={FAULTS_ENV: "1"}) as running:
         yield running
+
+
+def process_alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped is not), from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

@@ -223,8 +223,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             inject(pending.fault, "infer")
             if pending.fault == "stall":  # a hung engine loop, for the health check's tests
                 time.sleep(STALL_S)
-        return [EngineInput(pending.prompt_ids if pending.prompt_ids is not None else pending.ask.prompt)
-                for pending in batch]
+        return [EngineInput(pending.prompt_ids) for pending in batch]  # tokenized by `prepare`
 
     def finalize(self) -> None:
         self.running = False

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
-from backends.server import TritonServer, free_port
+from backends.server import TritonServer, free_port, stub_pids
 from client.sdk import generation_arrays, infer_inputs
-from tests.conftest import ROOT, encode, random_image
+from tests.conftest import ROOT, encode, process_alive, random_image
 from tests.integration.test_backends import generate
 from tests.integration.test_llm import metric
 
@@ -61,12 +60,6 @@ async def storm(url: str, n: int = 100) -> list[int]:
         await client.close()
 
 
-def stub_pids(server_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-g", str(server_pid), "-f", "triton_python_backend_stub"], capture_output=True,
-                         text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
 def test_a_cancellation_storm_returns_every_block_and_leaves_nothing_behind(repository):
     server = TritonServer(repository, free_port(), free_port(), free_port(), ROOT / "logs" / "test-storm.log",
                           model_control="explicit", load_models=["llm", "vlm"])
@@ -93,17 +86,10 @@ def test_a_cancellation_storm_returns_every_block_and_leaves_nothing_behind(repo
     # Triton 2.51 keeps `llm` live after the refused request until its exit timeout (20 s): bounded, not a hang
     assert time.monotonic() - start < 30
     time.sleep(1)
-    assert not [p for p in stubs if alive(p)]  # the stubs went with their server
+    assert not [p for p in stubs if process_alive(p)]  # the stubs went with their server
     assert not [r for r in regions if (Path("/dev/shm") / r).exists()]  # and so did its shared memory
 
 
 def mapped_shm_regions(pid: int) -> set[str]:
     return {line.rsplit("/", 1)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
             if "_shm_region_" in line}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False

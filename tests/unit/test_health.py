@@ -8,6 +8,7 @@ import time
 from backends.core.batcher import Batcher, BatchWindow
 from backends.core.health import HealthParams, check_compute, check_engines, check_gpu, report
 from backends.core.heartbeat import Heartbeat, ages
+from tests.conftest import process_alive
 
 
 def test_a_loop_that_stops_beating_goes_stale(tmp_path):
@@ -110,14 +111,7 @@ def test_a_loop_whose_server_is_gone_exits(tmp_path):
         time.sleep(0.05)
     server.send_signal(signal.SIGKILL)
     server.wait()
-
-    def alive() -> bool:
-        try:
-            return Path(f"/proc/{stub}/stat").read_text().split(")")[-1].split()[0] not in ("Z", "X")
-        except FileNotFoundError:
-            return False
-
-    while alive():
+    while process_alive(stub):
         assert time.monotonic() < deadline, "the orphaned loop kept running"
         time.sleep(0.05)
     assert ages(tmp_path) == {}  # and it took its heartbeat file with it

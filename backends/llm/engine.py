@@ -29,11 +29,12 @@ from backends.llm.adapter_cache import AUTO, AdapterCache
 from backends.llm.adapters import LoraAdapter
 from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_block
 from backends.llm.lora import LoraSlots
-from backends.llm.model import load_model
+from backends.llm.model import DecoderModel, load_model
 from backends.llm.runner import ModelRunner
 from backends.llm.sampling import SamplingParams, sample
 from backends.llm.scheduler import Scheduler
 from backends.llm.sequence import Sequence
+from backends.llm.speculative import Draft, DraftProposer, NgramProposer, next_length, verify
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,15 @@ class EngineConfig(QosParams):
     max_cpu_loras: int | None = bounded(None, 1)  # adapters kept on the host (default 4 x max_loras)
     lora_root: str = "adapters"  # folder of PEFT adapter folders (+ an optional router); relative: to the model folder
     response_threads: int = bounded(2, 1)  # served models: threads sending the streams' responses (core/outbox.py)
+    speculative: str = choice("off", "ngram", "draft")  # speculative decoding's proposer (speculative.py): prompt
+    # lookup, or a small draft model with the same tokenizer (draft_model)
+    num_speculative_tokens: int = bounded(4, 1, 16)  # most tokens proposed for a sequence in one step
+    speculative_schedule: str = choice("adaptive", "fixed")  # adaptive: per sequence, by what it accepted
+    prompt_lookup_min: int = bounded(1, 1)  # ngram: the shortest and longest suffix looked up in the context
+    prompt_lookup_max: int = bounded(4, 1)
+    draft_model: str = "draft"  # draft: its checkpoint folder; relative: to the model folder
+    speculative_max_batch: int = bounded(8, 1)  # decode steps of more sequences run without speculation (it pays
+    # where a step is bound by reading the weights, not by compute)
 
 
 class StepFailed(RuntimeError):
@@ -86,6 +96,9 @@ class EngineStats:
     max_decode_batch: int = 0
     generated_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    speculated: int = 0  # sequence-steps that verified proposals
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -120,6 +133,10 @@ class LLMEngine:
                      config.max_lora_rank, slots.nbytes / 2**20, self.adapters.root)
         per_block = kv_bytes_per_block(args.num_hidden_layers, config.block_size, args.num_key_value_heads,
                                        args.head_dim, self.model.kv_cache_dtype)
+        draft = self._load_draft(Path(checkpoint)) if config.speculative == "draft" else None
+        if draft is not None:  # the draft's cache holds as many tokens as the model's: it shares the budget
+            per_block += kv_bytes_per_block(draft.args.num_hidden_layers, config.block_size,
+                                            draft.args.num_key_value_heads, draft.args.head_dim, draft.kv_cache_dtype)
         num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block - 1  # one goes to the scratch block
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.kv_cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, config.block_size,
@@ -133,16 +150,39 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
                                    chunk_tokens=config.chunk_tokens, adapters=self.adapters)
         self.qos = QosPolicy(config)
+        self.proposer = None
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif draft is not None:
+            self.proposer = DraftProposer(draft, num_blocks, config.block_size, config.speculative_max_batch,
+                                          min(config.graph_max_context, self.max_model_len),
+                                          capture=self.runner.capture)
         if self.runner.capture:
             before = torch.cuda.memory_reserved(self.device)
             with torch.inference_mode():
                 count = self.runner.capture_all()
+                if isinstance(self.proposer, DraftProposer):
+                    count += self.proposer.runner.capture_all()
             log.info("captured %d decode CUDA graphs (%.2f GiB more reserved)", count,
                      (torch.cuda.memory_reserved(self.device) - before) / 2**30)
         self.stats = EngineStats()
         log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB, %s)", args.model_type, config.dtype,
                  self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20,
                  str(self.model.kv_cache_dtype).removeprefix("torch."))
+
+    def _load_draft(self, checkpoint: Path) -> DecoderModel:
+        path = checkpoint / self.config.draft_model
+        if not (path / "config.json").is_file():
+            raise ValueError(f"speculative 'draft': no draft checkpoint at {path} (draft_model)")
+        draft = load_model(path, self.dtype, self.device,
+                           compile_kernels=self.config.compile_kernels and self.device.type == "cuda",
+                           gemv=self.config.decode_linear == "gemv")
+        if draft.args.vocab_size != self.model.args.vocab_size:
+            raise ValueError(f"the draft model at {path} has a vocabulary of {draft.args.vocab_size} tokens, the "
+                             f"model {self.model.args.vocab_size}: a draft must share the model's tokenizer")
+        log.info("speculative decoding: draft %s (%d layers, hidden %d)", path, draft.args.num_hidden_layers,
+                 draft.args.hidden_size)
+        return draft
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory_mb:
@@ -260,11 +300,18 @@ class LLMEngine:
         # a sequence whose step ends before its last token (a prompt chunk) gets no token this step
         done = [i for i, s in enumerate(seqs) if s.num_cached + s.step_tokens == s.num_tokens]
         try:
-            logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
-            tokens = sample(logits if len(done) == len(seqs) else logits[done], [seqs[i] for i in done],
-                            self.eos_ids)
+            drafts = None if is_prefill else self._propose(seqs)
+            if drafts:
+                tokens = self._verify(self.runner.prefill(seqs), seqs, drafts)
+            else:
+                logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+                tokens = [t if isinstance(t, Exception) else [t] for t in sample(
+                    logits if len(done) == len(seqs) else logits[done], [seqs[i] for i in done], self.eos_ids)]
         except Exception as e:
             raise StepFailed(seqs) from e
+        finally:
+            for seq in seqs:
+                seq.draft_ids = []
         decoding = sum(s.step_tokens == 1 and s.num_cached > 0 for s in seqs) if is_prefill else len(seqs)
         self.stats.prefill_steps += is_prefill
         if decoding:
@@ -275,17 +322,67 @@ class LLMEngine:
             seq.num_cached += seq.step_tokens
             self.blocks.register(seq)
         seqs = [seqs[i] for i in done]
-        for seq, token in zip(seqs, tokens):
+        for seq, new in zip(seqs, tokens):
             try:
-                if isinstance(token, Exception):
-                    raise token
-                self._append(seq, token)
+                if isinstance(new, Exception):
+                    raise new
+                for token in new:
+                    self._append(seq, token)
+                    if seq.finished:
+                        break
+                else:
+                    self.blocks.shrink(seq, seq.num_tokens)  # blocks taken for proposals it rejected
             except Exception as e:  # this sequence's own failure (its sampling, its text) ends it alone
                 log.error("sequence %s failed", seq.request_id or seq.seq_id, exc_info=e)
                 seq.error = e
                 if not seq.finished:
                     self._finish(seq, "error")
         return expired + seqs
+
+    def _propose(self, seqs: list[Sequence]) -> list[Draft] | None:
+        """Proposals for a decode step (None: it runs without speculation), each cut to the KV blocks left."""
+        if self.proposer is None or len(seqs) > self.config.speculative_max_batch:
+            return None
+        most = self.config.num_speculative_tokens
+        lengths = [0 if seq.fault else  # a test's injected fault takes the plain path
+                   min(seq.speculate or most, seq.sampling.max_tokens - len(seq.output_ids) - 1) for seq in seqs]
+        drafts = self.proposer.propose(seqs, lengths)
+        for seq, draft in zip(seqs, drafts):
+            k = len(draft.tokens)
+            while k and not self.blocks.can_hold(seq, seq.num_tokens + k):
+                k -= 1
+            draft.tokens = draft.tokens[:k]
+            draft.probs = None if draft.probs is None or not k else draft.probs[:k]
+            self.blocks.grow(seq, seq.num_tokens + k)
+            seq.draft_ids, seq.step_tokens = draft.tokens, 1 + k
+        return drafts if any(seq.draft_ids for seq in seqs) else None
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft]) -> list[list[int] | Exception]:
+        """Each sequence's new tokens from the logits of its newest token and proposals (`speculative.verify`);
+        one without proposals is sampled as in any step."""
+        rows = torch.tensor([0, *(1 + len(d.tokens) for d in drafts)]).cumsum(0).tolist()
+        plain = [i for i, d in enumerate(drafts) if not d.tokens]
+        results: list[list[int] | Exception] = [[] for _ in seqs]
+        if plain:
+            sampled = sample(logits[[rows[i] for i in plain]], [seqs[i] for i in plain], self.eos_ids)
+            for i, token in zip(plain, sampled):
+                results[i] = token if isinstance(token, Exception) else [token]
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            if not draft.tokens:
+                continue
+            try:
+                results[i] = verify(logits[rows[i]:rows[i + 1]], seq, draft, self.eos_ids)
+            except Exception as e:  # noqa: BLE001  (its own failure, handed to it)
+                results[i] = e
+                continue
+            accepted, proposed = len(results[i]) - 1, len(draft.tokens)
+            self.stats.speculated += 1
+            self.stats.proposed_tokens += proposed
+            self.stats.accepted_tokens += accepted
+            if self.config.speculative_schedule == "adaptive":
+                seq.speculate = next_length(seq.speculate or self.config.num_speculative_tokens, proposed, accepted,
+                                            self.config.num_speculative_tokens)
+        return results
 
     def _expire(self) -> list[Sequence]:
         now = time.monotonic()
@@ -313,6 +410,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         seq.ticket.end()
+        if self.proposer is not None:
+            self.proposer.forget(seq)
         if seq.lora:
             self.adapters.drop(a for a, _ in seq.lora)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -114,6 +114,16 @@ class BlockManager:
         seq.block_table, seq.block_keys = [], []
         seq.num_cached = 0
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the sequence's blocks past those `num_tokens` tokens need (speculative positions it rejected:
+        never registered, so they go first to the next taker)."""
+        while len(seq.block_table) > -(-num_tokens // self.block_size):
+            block = seq.block_table.pop()
+            self.users[block] -= 1
+            if self.users[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 

@@ -65,7 +65,8 @@ class ModelRunner:
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """The next `step_tokens` uncached tokens of each sequence (a prompt, a chunk of one, or a decoding
-        sequence's newest token); logits [B, vocab] of each sequence's last computed token."""
+        sequence's newest token, then its `draft_ids`); logits [rows, vocab] of each sequence's last computed token,
+        preceded by those of its newest token and proposals but the last (speculative decoding scores them all)."""
         ids, positions, slots, seq_index, query_index, last = [], [], [], [], [], []
         max_query = max(s.step_tokens for s in seqs)
         query_positions, embed_index, embed_rows = [], [], []
@@ -77,13 +78,13 @@ class ModelRunner:
                 stop = bisect.bisect_left(seq.embed_positions, end)
                 embed_index += [len(ids) + p - seq.num_cached for p in seq.embed_positions[first:stop]]
                 embed_rows.append(seq.embeds[first:stop])
-            ids += seq.token_ids[seq.num_cached:end]
+            ids += (seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids)[seq.num_cached:end]
             positions += span
             slots += [self.blocks.slot(seq, p) for p in span]
             seq_index += [b] * len(span)
             query_index += range(len(span))
             query_positions.append(list(span) + [0] * (max_query - len(span)))
-            last.append(len(ids) - 1)
+            last += range(len(ids) - 1 - len(seq.draft_ids), len(ids))
         fresh = tuple(s.step_tokens for s in seqs) if all(s.num_cached == 0 for s in seqs) else None
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),

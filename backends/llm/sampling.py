@@ -58,26 +58,45 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     return chosen
 
 
-def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token per row, whether the row's probabilities were finite) for rows [R, vocab] of sampled sequences."""
+def sorted_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities in descending order, their token ids), [R, vocab] each: rows of logits after each row's
+    temperature, top-k and top-p (the distribution a sampled token is drawn from; non-finite where it failed)."""
     device, vocab = logits.device, logits.shape[-1]
-    params = [seq.sampling for seq in seqs]
     column = lambda values, dtype: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]  # noqa
     ordered, order = (logits / column([p.temperature for p in params], torch.float32)).sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)[None, :]
     probs = ordered.softmax(-1)
     drop = rank >= column([p.top_k or vocab for p in params], torch.int64)  # top-k
     drop |= probs.cumsum(-1) - probs >= column([p.top_p for p in params], torch.float32)  # smallest prefix >= top_p
-    probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)
+    return ordered.masked_fill(drop, float("-inf")).softmax(-1), order
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[R, vocab]: `sorted_probabilities` in token order (what speculative decoding compares token by token)."""
+    probs, order = sorted_probabilities(logits, params)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token per row, whether the row's probabilities were finite) for rows [R, vocab] of sampled sequences."""
+    device = logits.device
+    params = [seq.sampling for seq in seqs]
+    probs, order = sorted_probabilities(logits, params)
     finite = probs.isfinite().all(-1)
-    probs = torch.where(finite[:, None], probs, (rank == 0).float())  # a failed row draws something harmless
+    first = torch.arange(probs.shape[-1], device=device)[None, :] == 0
+    probs = torch.where(finite[:, None], probs, first.float())  # a failed row draws something harmless
     picks = torch.empty(len(seqs), 1, dtype=torch.int64, device=device)
     unseeded = [i for i, p in enumerate(params) if p.seed is None]
     if unseeded:
         picks[unseeded] = torch.multinomial(probs[unseeded], 1)
     for i, seq in enumerate(seqs):  # a seeded request draws from its own generator, whatever its batch
         if seq.sampling.seed is not None:
-            if seq.generator is None:
-                seq.generator = torch.Generator(device=device).manual_seed(seq.sampling.seed)
-            picks[i] = torch.multinomial(probs[i], 1, generator=seq.generator)
+            picks[i] = torch.multinomial(probs[i], 1, generator=generator(seq, device))
     return order.gather(1, picks)[:, 0], finite
+
+
+def generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    """A seeded sequence's own random stream (made on first use)."""
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=device).manual_seed(seq.sampling.seed)
+    return seq.generator

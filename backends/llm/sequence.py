@@ -38,6 +38,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading tokens whose keys and values are in the cache
     step_tokens: int = 0  # uncached tokens the scheduled step computes (a chunk of the prompt, or the newest token)
+    draft_ids: list[int] = field(default_factory=list)  # speculative decoding: the step's proposals, after the newest
+    speculate: int = 0  # how many tokens to propose next (adaptive; 0 until its first decode step)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length", "stop" (EOS or a stop string), "cancelled", "error"
     error: Exception | None = None  # why this sequence failed (finish_reason "error")

@@ -71,3 +71,30 @@ def test_greedy_answers_equal_transformers_alone_and_batched(engine, chats, expe
     assert alone.output_ids == batched[0].output_ids and engine.blocks.hit_tokens > hits
     assert sum(seq.finish_reason == "stop" for seq in batched) >= 4  # a trained model ends its turns
     assert "Paris" in batched[0].text
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_decoding_keeps_the_greedy_answers(smollm2_checkpoint, chats, expected, tokenizer, proposer,
+                                                       tmp_path_factory):
+    """On the trained model, with prompt lookup and with a draft cut from its first 8 layers (untrained: it is rarely
+    right, which exercises the rollback): the same answers as transformers; with prompt lookup, most steps add more
+    than one token where the answer quotes the prompt."""
+    from build_engines.draft import truncated_draft
+
+    config = {"speculative": proposer}
+    if proposer == "draft":
+        config["draft_model"] = str(truncated_draft(smollm2_checkpoint, tmp_path_factory.mktemp("draft"), 8))
+    engine = LLMEngine(smollm2_checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=64, **config))
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for chat, seq, reference in zip(chats, engine.generate(chats, SamplingParams(max_tokens=TOKENS)), expected):
+        assert seq.output_ids == (reference[:-1] if reference[-1] == end_of_turn else reference), chat
+    assert engine.stats.proposed_tokens > 100
+    if proposer == "ngram":
+        quote = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this sentence exactly: the quick "
+                                                "brown fox jumps over the lazy dog near the river bank."}],
+                                              add_generation_prompt=True, tokenize=False)
+        before = engine.stats.accepted_tokens, engine.stats.decode_steps
+        seq = engine.generate([quote], SamplingParams(max_tokens=TOKENS))[0]
+        assert "quick brown fox jumps over the lazy dog" in seq.text
+        accepted, steps = engine.stats.accepted_tokens - before[0], engine.stats.decode_steps - before[1]
+        assert accepted >= len(seq.output_ids) / 2 and steps < len(seq.output_ids) * 0.6, (accepted, steps)

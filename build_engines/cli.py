@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preprocess-instances", type=int, default=2,
                         help="with --ensemble: instances of the preprocessing step (CPU ones, or with "
                         "--preprocess-on-device true on --device)")
+    parser.add_argument("--draft", type=Path, help="llm: a draft model's Hugging Face checkpoint for speculative "
+                        "decoding, with the model's tokenizer (copied into the model folder as draft/; implies "
+                        "--speculative draft). python -m build_engines.draft cuts one from a model")
     tuning = parser.add_argument_group("backend parameters (written to config.pbtxt, checked by the backend's schema)")
     for name, families in sorted(schema_fields().items()):
         tuning.add_argument("--" + name.replace("_", "-"), dest=f"param_{name}", metavar="VALUE",
@@ -141,6 +144,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     elif args.checkpoint and not (args.checkpoint / "config.json").exists():
         parser.error(f"{args.checkpoint} is not a Hugging Face checkpoint directory (no config.json) nor a .gguf file")
     args.overrides = {k[len("param_"):]: v for k, v in vars(args).items() if k.startswith("param_") and v is not None}
+    if args.draft and (args.model != "llm" or not (args.draft / "config.json").is_file()):
+        parser.error("--draft is for llm and names a Hugging Face checkpoint directory")
+    if args.draft:
+        if args.overrides.setdefault("speculative", "draft") != "draft":
+            parser.error(f"--draft with --speculative {args.overrides['speculative']}")
+    elif args.overrides.get("speculative") == "draft" and "draft_model" not in args.overrides:
+        parser.error("--speculative draft needs --draft CHECKPOINT")
     for name in args.overrides:
         misplaced = [f for f in ([*FAMILIES] if args.model == "all" else [args.model])
                      if name not in {f.name for f in dataclasses.fields(SCHEMAS[f])}]
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.max_batch_size, args.max_queue_delay_us, args.instances, args.device,
                             args.execution_env, args.prepare_threads, args.force, args.name, args.overrides,
                             args.calibration, args.fp8_activations, args.kv_cache_dtype, args.fp8_rounding,
-                            args.priority_levels, args.ensemble, args.preprocess_instances, args.max_queue_size)
+                            args.priority_levels, args.ensemble, args.preprocess_instances, args.max_queue_size,
+                            args.draft)
         try:
             FAMILIES[family](opts)
         except (RuntimeError, ValueError) as exc:  # unavailable runtime, failed verification, bad parameter: one line

@@ -61,6 +61,7 @@ class BuildOptions:
     ensemble: bool = False  # vit, clip_vision, whisper, vlm: an ensemble of a preprocessing model and the engine's
     preprocess_instances: int = 2  # instances of an ensemble's preprocessing model (CPU ones unless on the device)
     max_queue_size: int | None = None  # Triton-batched models: requests waiting at most (None: unbounded)
+    draft: Path | None = None  # llm: a draft model's checkpoint for speculative decoding (placed as <version>/draft)
 
     def model_name(self, default: str) -> str:
         return self.name or default

@@ -3,6 +3,7 @@ greedy parity with transformers checked for small models, served by the `mm_llm`
 parameters in the config; or a TensorRT-LLM engine (not verified here)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -11,7 +12,8 @@ from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.fp8 import Fp8Scheme
 from backends.llm.model import ModelArgs
 from backends.llm.requests import GENERATION_INPUTS
-from build_engines.common import BuildOptions, Progress, instance_kind, place_and_verify, up_to_date
+from build_engines.common import (BuildOptions, Progress, instance_kind, place_and_verify, place_checkpoint,
+                                  up_to_date)
 from build_engines.export import VerificationError
 from build_engines.quantize import calibrate, write_fp8_checkpoint
 from build_engines.repository import PythonModelConfig, Tensor, write_engine_metadata
@@ -36,7 +38,7 @@ def build_llm(opts: BuildOptions) -> None:
     ModelArgs.from_checkpoint(opts.checkpoint)  # an unsupported family fails here, before anything is copied
     fp8 = opts.precision == "fp8"  # FP8 weights; the rest of the model computes in bf16
     params = opts.parameters(EngineConfig, dtype="bf16" if fp8 else opts.precision, device=opts.device)
-    progress = Progress(name, 3)
+    progress = Progress(name, 4 if opts.draft else 3)
     version_dir = opts.repository / name / "1"
     if fp8:
         scheme = Fp8Scheme("channel", opts.fp8_activations, kv_cache=opts.kv_cache_dtype == "fp8")
@@ -51,6 +53,10 @@ def build_llm(opts: BuildOptions) -> None:
                                  prompts if opts.fp8_rounding == "gptq" else None)
     else:
         place_and_verify(opts.checkpoint, version_dir, LLM_FILES, verify_llm, progress)
+    shutil.rmtree(version_dir / "draft", ignore_errors=True)  # an earlier build's
+    if opts.draft:
+        with progress.step(f"copying the draft model {opts.draft} into {version_dir / 'draft'}"):
+            place_checkpoint(opts.draft, version_dir / "draft", LLM_FILES)
     with progress.step("writing config.pbtxt"):
         opts.write(generation_config(opts, name, "mm_llm", [], params))
         write_engine_metadata(version_dir, runtime="torch", precision=opts.precision,

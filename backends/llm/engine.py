@@ -12,6 +12,7 @@ it requests through that loop.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ from backends.llm.runner import ModelRunner
 from backends.llm.sampling import SamplingParams, sample
 from backends.llm.scheduler import Scheduler
 from backends.llm.sequence import Sequence
-from backends.llm.speculative import Draft, DraftProposer, NgramProposer, next_length, verify
+from backends.llm.speculative import (Draft, DraftProposer, NgramProposer, mask_early_eos, next_length,
+                                      verify_greedy, verify_sampled)
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,9 @@ class LLMEngine:
                                 compile_kernels=config.compile_kernels and self.device.type == "cuda",
                                 gemv=config.decode_linear == "gemv")
         args = self.model.args
+        # rows of the widest decode step: its sequences, with speculation each with its proposals
+        self.decode_rows = max(config.max_batch, config.speculative_max_batch * (1 + config.num_speculative_tokens)
+                               if config.speculative != "off" else 0)
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         # the longest text a prompt that fits the context can be: every token its vocabulary's longest, 4 UTF-8
         # bytes a character; longer text is refused before it is tokenized
@@ -142,7 +147,7 @@ class LLMEngine:
         self.kv_cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, config.block_size,
                                           args.num_key_value_heads, args.head_dim, self.model.kv_cache_dtype,
                                           self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, config.max_batch,
+        self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, self.decode_rows,
                                   min(config.graph_max_context, self.max_model_len),
                                   capture=config.cuda_graphs and self.device.type == "cuda",
                                   paged_decode=config.decode_attention == "paged",
@@ -155,6 +160,7 @@ class LLMEngine:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif draft is not None:
             self.proposer = DraftProposer(draft, num_blocks, config.block_size, config.speculative_max_batch,
+                                          config.num_speculative_tokens,
                                           min(config.graph_max_context, self.max_model_len),
                                           capture=self.runner.capture)
         if self.runner.capture:
@@ -206,7 +212,7 @@ class LLMEngine:
         cache = allocate_kv_cache(args.num_hidden_layers, 1, block, args.num_key_value_heads, args.head_dim,
                                   self.model.kv_cache_dtype, self.device)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=self.device)  # noqa: E731
-        batch = 1 << (self.config.max_batch - 1).bit_length()
+        batch = 1 << (self.decode_rows - 1).bit_length()
         width = 1 << (-(-min(self.config.graph_max_context, self.max_model_len) // block) - 1).bit_length()
         tokens = min(self.config.max_prefill_tokens, self.max_model_len)
         span = torch.arange(tokens, device=self.device)
@@ -302,7 +308,7 @@ class LLMEngine:
         try:
             drafts = None if is_prefill else self._propose(seqs)
             if drafts:
-                tokens = self._verify(self.runner.prefill(seqs), seqs, drafts)
+                tokens = self._verify(self.runner.decode(seqs), seqs, drafts)
             else:
                 logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
                 tokens = [t if isinstance(t, Exception) else [t] for t in sample(
@@ -358,20 +364,25 @@ class LLMEngine:
         return drafts if any(seq.draft_ids for seq in seqs) else None
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft]) -> list[list[int] | Exception]:
-        """Each sequence's new tokens from the logits of its newest token and proposals (`speculative.verify`);
-        one without proposals is sampled as in any step."""
-        rows = torch.tensor([0, *(1 + len(d.tokens) for d in drafts)]).cumsum(0).tolist()
+        """Each sequence's new tokens from the logits of its newest token and proposals (speculative.py); one
+        without proposals is sampled as in any step."""
+        rows = [0, *itertools.accumulate(1 + len(d.tokens) for d in drafts)]  # each sequence's first row
         plain = [i for i, d in enumerate(drafts) if not d.tokens]
         results: list[list[int] | Exception] = [[] for _ in seqs]
         if plain:
             sampled = sample(logits[[rows[i] for i in plain]], [seqs[i] for i in plain], self.eos_ids)
             for i, token in zip(plain, sampled):
                 results[i] = token if isinstance(token, Exception) else [token]
+        for i, seq in enumerate(seqs):
+            if drafts[i].tokens:
+                mask_early_eos(logits[rows[i]:rows[i + 1]], seq, self.eos_ids)
+        best = logits.argmax(-1).tolist()  # one device sync for the step's greedy rows
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             if not draft.tokens:
                 continue
             try:
-                results[i] = verify(logits[rows[i]:rows[i + 1]], seq, draft, self.eos_ids)
+                results[i] = verify_greedy(draft, best[rows[i]:rows[i + 1]]) if seq.sampling.greedy else \
+                    verify_sampled(logits[rows[i]:rows[i + 1]], seq, draft)
             except Exception as e:  # noqa: BLE001  (its own failure, handed to it)
                 results[i] = e
                 continue

@@ -1,7 +1,10 @@
 """Turns a scheduled batch into the model's tensors, runs it, and returns the logits of each sequence's last token
-(the only logits anyone reads).
+(the only logits anyone reads), or in decode steps of each row.
 
-Decode steps run with fixed shapes: the batch is padded to a bucket (1, 2, 4, ... sequences) and the block tables to
+A decode step has one row per token it computes: a sequence's newest token, and with speculative decoding the
+tokens proposed after it (each row attends to its sequence's blocks up to its own position, so the rows of one
+sequence are causal among themselves and the step is still a decode step: same kernels, same graphs).
+Decode steps run with fixed shapes: the rows are padded to a bucket (1, 2, 4, ... rows) and the block tables to
 a power-of-two number of blocks; padded rows write and read only the scratch block. On CUDA each (batch, blocks)
 shape is captured once as a CUDA graph and replayed, so a step costs its kernels' time, not thousands of launches.
 On the CPU the same padded path runs eagerly (which is how the tests check it). With LoRA slots, every step hands
@@ -35,6 +38,7 @@ def lora_row(seq: Sequence) -> tuple[list[int], list[float]]:
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: list, blocks: BlockManager, max_batch: int,
                  max_context: int, capture: bool, paged_decode: bool = True, lora: LoraSlots | None = None):
+        """`max_batch`: the most rows of a decode step (sequences, times their proposals + 1 when speculating)."""
         self.model, self.kv_cache, self.blocks, self.lora = model, kv_cache, blocks, lora
         self.device = model.embed_tokens.weight.device
         self.decode_kernel = decode_kernel(self.device) if paged_decode else None  # None: gather + SDPA
@@ -65,8 +69,7 @@ class ModelRunner:
 
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """The next `step_tokens` uncached tokens of each sequence (a prompt, a chunk of one, or a decoding
-        sequence's newest token, then its `draft_ids`); logits [rows, vocab] of each sequence's last computed token,
-        preceded by those of its newest token and proposals but the last (speculative decoding scores them all)."""
+        sequence's newest token); logits [B, vocab] of each sequence's last computed token."""
         ids, positions, slots, seq_index, query_index, last = [], [], [], [], [], []
         max_query = max(s.step_tokens for s in seqs)
         query_positions, embed_index, embed_rows = [], [], []
@@ -78,13 +81,13 @@ class ModelRunner:
                 stop = bisect.bisect_left(seq.embed_positions, end)
                 embed_index += [len(ids) + p - seq.num_cached for p in seq.embed_positions[first:stop]]
                 embed_rows.append(seq.embeds[first:stop])
-            ids += (seq.token_ids + seq.draft_ids if seq.draft_ids else seq.token_ids)[seq.num_cached:end]
+            ids += seq.token_ids[seq.num_cached:end]
             positions += span
             slots += [self.blocks.slot(seq, p) for p in span]
             seq_index += [b] * len(span)
             query_index += range(len(span))
             query_positions.append(list(span) + [0] * (max_query - len(span)))
-            last += range(len(ids) - 1 - len(seq.draft_ids), len(ids))
+            last.append(len(ids) - 1)
         fresh = tuple(s.step_tokens for s in seqs) if all(s.num_cached == 0 for s in seqs) else None
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),
@@ -94,41 +97,48 @@ class ModelRunner:
         hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds, self.lora_step(seqs))
         return self.model.logits(hidden[self.tensor(last)])
 
-    def lora_step(self, seqs: list[Sequence]) -> LoraStep | None:
-        """The adapters of a step's token rows (`step_tokens` rows a sequence); None when no sequence has any."""
+    def lora_step(self, seqs: list[Sequence], counts: list[int] | None = None) -> LoraStep | None:
+        """The adapters of a step's token rows (`counts` rows a sequence, default its `step_tokens`); None when no
+        sequence has any."""
         if self.lora is None or not any(s.lora for s in seqs):
             return None
         rows = [lora_row(seq) for seq in seqs]  # one per sequence, repeated for its tokens on the device
-        counts = [seq.step_tokens for seq in seqs]
+        counts = counts or [seq.step_tokens for seq in seqs]
         repeats, total = self.tensor(counts), sum(counts)
         return LoraStep(self.lora, self.tensor([s for s, _ in rows]).repeat_interleave(repeats, 0, output_size=total),
                         self.tensor([w for _, w in rows], torch.float32).repeat_interleave(repeats, 0,
                                                                                           output_size=total))
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The newest token of each sequence; logits [B, vocab]."""
+        """Every uncached token of each sequence (its newest one, or more after a preemption-free rollback in a
+        draft's cache), then its `draft_ids`; logits [rows, vocab], a sequence's rows in order."""
+        rows = [(seq, position) for seq in seqs for position in range(seq.num_cached,
+                                                                       seq.num_tokens + len(seq.draft_ids))]
         widest = max(len(s.block_table) for s in seqs)
-        if len(seqs) <= self.max_batch and widest <= self.max_blocks:
-            return self.decode_padded(seqs, bucket(len(seqs)), bucket(widest))
-        return self.decode_eager(seqs)
+        if len(rows) <= self.max_batch and widest <= self.max_blocks:
+            return self.decode_padded(rows, bucket(len(rows)), bucket(widest))
+        return self.decode_eager(rows)
 
-    def decode_padded(self, seqs: list[Sequence], batch: int, width: int) -> torch.Tensor:
-        n, b = len(seqs), self.max_batch
-        positions = [s.num_tokens - 1 for s in seqs]
+    @staticmethod
+    def row_token(seq: Sequence, position: int) -> int:
+        return seq.token_ids[position] if position < seq.num_tokens else seq.draft_ids[position - seq.num_tokens]
+
+    def decode_padded(self, rows: list[tuple[Sequence, int]], batch: int, width: int) -> torch.Tensor:
+        n, b = len(rows), self.max_batch
         host = self.host.numpy()  # padded rows: token 0 at position 0, written to and read from the scratch block
         host[:self.tables_at] = 0
-        host[:n] = [s.token_ids[-1] for s in seqs]
-        host[b:b + n] = positions
-        host[2 * b:2 * b + n] = [self.blocks.slot(s, p) for s, p in zip(seqs, positions)]
+        host[:n] = [self.row_token(s, p) for s, p in rows]
+        host[b:b + n] = [p for _, p in rows]
+        host[2 * b:2 * b + n] = [self.blocks.slot(s, p) for s, p in rows]
         host[2 * b + n:2 * b + batch] = SCRATCH_BLOCK * self.blocks.block_size
         tables = host[self.tables_at:self.tables_at + batch * self.max_blocks].reshape(batch, self.max_blocks)
         tables[:, :width] = SCRATCH_BLOCK
-        for row, seq in zip(tables, seqs):
+        for row, (seq, _) in zip(tables, rows):
             row[:len(seq.block_table)] = seq.block_table
         if self.lora is not None:  # rows without adapters (and padded rows) have weight 0
             lora_slots, weights = host[3 * b:self.tables_at].reshape(b, MIXED), self.host_weights.numpy()
             weights[:batch] = 0
-            for i, seq in enumerate(seqs):
+            for i, (seq, _) in enumerate(rows):
                 if seq.lora:
                     lora_slots[i], weights[i] = lora_row(seq)
             self.lora_weights[:batch].copy_(self.host_weights[:batch], non_blocking=True)
@@ -177,11 +187,13 @@ class ModelRunner:
         self.pool = graph.pool()
         return graph, logits
 
-    def decode_eager(self, seqs: list[Sequence]) -> torch.Tensor:
-        positions = [s.num_tokens - 1 for s in seqs]
-        meta = AttentionMetadata(self.tensor([self.blocks.slot(s, p) for s, p in zip(seqs, positions)]),
-                                 self.block_tables(seqs), self.tensor([[p] for p in positions]), None,
-                                 max(s.num_tokens for s in seqs), decode_kernel=self.decode_kernel)
-        hidden = self.model(self.tensor([s.token_ids[-1] for s in seqs]), self.tensor(positions), self.kv_cache, meta,
-                            lora=self.lora_step(seqs))
+    def decode_eager(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+        seqs = [seq for seq, _ in rows]
+        positions = [p for _, p in rows]
+        meta = AttentionMetadata(self.tensor([self.blocks.slot(s, p) for s, p in rows]), self.block_tables(seqs),
+                                 self.tensor([[p] for p in positions]), None, max(positions) + 1,
+                                 decode_kernel=self.decode_kernel)
+        lora = self.lora_step(seqs, [1] * len(rows))
+        hidden = self.model(self.tensor([self.row_token(s, p) for s, p in rows]), self.tensor(positions),
+                            self.kv_cache, meta, lora=lora)
         return self.model.logits(hidden)

@@ -1,10 +1,11 @@
 """Speculative decoding: a cheap proposer guesses the next tokens, the model checks them all in one step.
 
 A decode step with speculation gives each sequence its newest token plus up to k proposed ones; the model scores all
-k + 1 positions over the paged cache (the prefill path, several query tokens a sequence), and `verify` keeps the
-longest run of proposals the model agrees with plus one token of the model's own, so every step still adds at least
-one token. Rejected positions are forgotten by bookkeeping alone: their cache slots lie past the sequence's cached
-length and are overwritten later, and the blocks they took go back to the pool (`BlockManager.shrink`).
+k + 1 positions in one decode step (a row per position, each attending to its sequence's cache up to itself: the same
+kernels and CUDA graphs as any decode step), and `verify` keeps the longest run of proposals the model agrees with
+plus one token of the model's own, so every step still adds at least one token. Rejected positions are forgotten by
+bookkeeping alone: their cache slots lie past the sequence's cached length and are overwritten later, and the blocks
+they took go back to the pool (`BlockManager.shrink`).
 
 The output is exactly what the model alone would produce: greedy rows keep the model's argmax path token for token;
 sampled rows use the rejection rule of Leviathan et al. / Chen et al. (accept a proposal d with probability
@@ -50,15 +51,17 @@ def mask_early_eos(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]
         logits[:early, list(eos_ids)] = float("-inf")
 
 
-def verify(logits: torch.Tensor, seq: Sequence, draft: Draft, eos_ids: tuple[int, ...]) -> list[int]:
-    """The tokens a step adds to `seq`: the accepted prefix of the draft, then one token of the model's.
-    logits [k + 1, vocab]: row i scores the token after the i-th proposed one (row 0: after the newest token)."""
-    mask_early_eos(logits, seq, eos_ids)
+def verify_greedy(draft: Draft, best: list[int]) -> list[int]:
+    """The tokens a greedy step adds: the proposals up to the first that differs from the model's argmax `best`
+    ([k + 1]: after the newest token, then after each proposal), then the model's own token there."""
+    accepted = next((i for i, (d, b) in enumerate(zip(draft.tokens, best)) if d != b), len(draft.tokens))
+    return best[:accepted + 1]
+
+
+def verify_sampled(logits: torch.Tensor, seq: Sequence, draft: Draft) -> list[int]:
+    """The tokens a sampled step adds to `seq`: the accepted prefix of the draft, then one token drawn as the rule
+    says. logits [k + 1, vocab]: row i scores the token after the i-th proposal (row 0: after the newest token)."""
     k = len(draft.tokens)
-    if seq.sampling.greedy:
-        best = logits.argmax(-1).tolist()
-        accepted = next((i for i, (d, b) in enumerate(zip(draft.tokens, best)) if d != b), k)
-        return best[:accepted + 1]
     p = probabilities(logits, [seq.sampling] * (k + 1))
     if not p.isfinite().all():
         raise RuntimeError("sampling failed: the model's probabilities are not finite")
@@ -105,7 +108,7 @@ class NgramProposer:
         self.shortest, self.longest = shortest, longest
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[Draft]:
-        return [Draft(self.lookup(np.asarray(seq.token_ids), k)) for seq, k in zip(seqs, lengths)]
+        return [Draft(self.lookup(np.asarray(seq.token_ids), k) if k else []) for seq, k in zip(seqs, lengths)]
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         for n in range(min(self.longest, len(tokens) - 1), self.shortest - 1, -1):
@@ -125,14 +128,14 @@ class DraftProposer:
     per sequence (a shadow `Sequence` holding the target's tokens, then its proposals); what the target rejected is
     dropped from it by bookkeeping, like the target's, so each step computes only the tokens it has not seen."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_batch: int, max_context: int,
-                 capture: bool):
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_batch: int, most: int,
+                 max_context: int, capture: bool):
         args = model.args
-        self.model = model
+        self.model, self.most = model, most
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=False)
         cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, block_size, args.num_key_value_heads,
                                   args.head_dim, model.kv_cache_dtype, model.embed_tokens.weight.device)
-        self.runner = ModelRunner(model, cache, self.blocks, max_batch, max_context, capture)
+        self.runner = ModelRunner(model, cache, self.blocks, max_batch * (1 + most), max_context, capture)
         self.shadows: dict[int, Sequence] = {}
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[Draft]:
@@ -142,10 +145,9 @@ class DraftProposer:
         if not work:
             return drafts
         rows: dict[int, list[torch.Tensor]] = {id(draft): [] for *_, draft in work}
-        logits = self.runner.prefill([shadow for _, shadow, _, _ in work])  # what it has not seen, then one token
+        logits = self._catch_up([shadow for _, shadow, _, _ in work])
         while True:
-            for row, (seq, shadow, _, draft) in enumerate(work):
-                token, q = self._draw(logits[row:row + 1], seq)
+            for (seq, shadow, _, draft), token, q in zip(work, *self._draw(logits, [item[0] for item in work])):
                 draft.tokens.append(token)
                 if q is not None:
                     rows[id(draft)].append(q)
@@ -161,6 +163,23 @@ class DraftProposer:
             if rows.get(id(draft)):
                 draft.probs = torch.cat(rows[id(draft)])
         return drafts
+
+    def _catch_up(self, shadows: list[Sequence]) -> torch.Tensor:
+        """Logits [len(shadows), vocab] after each shadow's last token, computing the tokens its cache lacks: the
+        last accepted proposals and the model's token as a decode step (a few rows each), a new prompt as a
+        prefill."""
+        new = [i for i, shadow in enumerate(shadows) if shadow.num_tokens - shadow.num_cached > 1 + self.most]
+        rest = [i for i in range(len(shadows)) if i not in new]
+        logits = [None] * len(shadows)
+        if new:
+            for i, row in zip(new, self.runner.prefill([shadows[i] for i in new])):
+                logits[i] = row
+        if rest:
+            rows = self.runner.decode([shadows[i] for i in rest])
+            last = torch.tensor([shadows[i].num_tokens - shadows[i].num_cached for i in rest]).cumsum(0) - 1
+            for i, row in zip(rest, rows[last.to(rows.device)]):
+                logits[i] = row
+        return torch.stack(logits)
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """The draft's view of `seq` now: its tokens, the draft's cache cut back to the first one it got wrong."""
@@ -187,17 +206,23 @@ class DraftProposer:
         shadow.step_tokens = shadow.num_tokens - shadow.num_cached
         return True
 
-    def _draw(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
-        """The draft's token for a target sequence: its argmax for greedy ones, else a draw from its distribution
-        (returned too: the rejection rule needs q)."""
-        if seq.sampling.greedy:
-            return int(logits.argmax()), None
-        q = probabilities(logits, [seq.sampling])
-        if not q.isfinite().all():  # proposing its argmax instead keeps the rule exact (q is then a point mass)
-            return int(logits.argmax()), torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-        token = torch.multinomial(q[0], 1, generator=generator(seq, q.device) if seq.sampling.seed is not None
-                                  else None)
-        return int(token), q
+    @staticmethod
+    def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """The draft's next token for each sequence (logits [B, vocab]): its argmax for greedy ones, else a draw
+        from its distribution q (returned too: the rejection rule needs it). One device sync for the argmaxes."""
+        best = logits.argmax(-1)
+        tokens, qs = best.tolist(), [None] * len(seqs)
+        for i, seq in enumerate(seqs):
+            if seq.sampling.greedy:
+                continue
+            q = probabilities(logits[i:i + 1], [seq.sampling])
+            if not q.isfinite().all():  # proposing its argmax instead keeps the rule exact (q is a point mass)
+                qs[i] = torch.nn.functional.one_hot(best[i:i + 1], logits.shape[-1]).float()
+                continue
+            qs[i] = q
+            tokens[i] = int(torch.multinomial(q[0], 1, generator=generator(seq, q.device)
+                                              if seq.sampling.seed is not None else None))
+        return tokens, qs
 
     def forget(self, seq: Sequence) -> None:
         if (shadow := self.shadows.pop(seq.seq_id, None)) is not None:

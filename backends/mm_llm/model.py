@@ -58,7 +58,11 @@ GAUGES = {"llm_kv_blocks_free": "KV-cache blocks free", "llm_kv_blocks_total": "
 COUNTERS = {"llm_prefill_steps_total": "prefill steps", "llm_decode_steps_total": "decode steps",
             "llm_decode_tokens_total": "tokens produced by decode steps (sum of decode batch sizes)",
             "llm_generated_tokens_total": "tokens generated", "llm_preemptions_total": "sequences preempted",
-            "llm_prefix_cache_hit_tokens_total": "prompt tokens whose KV came from the prefix cache"}
+            "llm_prefix_cache_hit_tokens_total": "prompt tokens whose KV came from the prefix cache",
+            "llm_spec_verify_total": "sequence-steps that verified speculative proposals",
+            "llm_spec_proposed_tokens_total": "tokens proposed by speculative decoding",
+            "llm_spec_accepted_tokens_total": "proposed tokens the model accepted (mean accepted length per step: "
+                                              "accepted / verify)"}
 LORA_GAUGES = {"llm_lora_adapters_loaded": "LoRA adapters in the host cache",
                "llm_lora_adapters_on_device": "LoRA adapters in device slots"}
 LORA_COUNTERS = {"llm_lora_loads_total": "LoRA adapters read from the adapter root",
@@ -119,7 +123,8 @@ def engine_stats(engine: LLMEngine) -> tuple[dict[str, float], dict[str, int]]:
     totals = {"llm_prefill_steps_total": s.prefill_steps, "llm_decode_steps_total": s.decode_steps,
               "llm_decode_tokens_total": s.decode_tokens, "llm_generated_tokens_total": s.generated_tokens,
               "llm_preemptions_total": engine.scheduler.preemptions,
-              "llm_prefix_cache_hit_tokens_total": engine.blocks.hit_tokens}
+              "llm_prefix_cache_hit_tokens_total": engine.blocks.hit_tokens, "llm_spec_verify_total": s.speculated,
+              "llm_spec_proposed_tokens_total": s.proposed_tokens, "llm_spec_accepted_tokens_total": s.accepted_tokens}
     if (adapters := engine.adapters) is not None:
         gauges.update(llm_lora_adapters_loaded=len(adapters.host), llm_lora_adapters_on_device=adapters.on_device)
         a = adapters.stats

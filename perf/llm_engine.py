@@ -127,13 +127,14 @@ def transformers_generate(model, batch: list[list[int]], new_tokens: int, device
     return (out.shape[1] - ids.shape[1]) * len(batch) / (time.perf_counter() - start)
 
 
-def load_reference(args, device: torch.device, dtype: torch.dtype):
-    """(checkpoint dir the engine reads config/tokenizer from, transformers model, weights for the engine)."""
+def load_reference(args, device: torch.device, dtype: torch.dtype, shapes: dict = LLAMA_3_8B):
+    """(checkpoint dir the engine reads config/tokenizer from, transformers model, weights for the engine);
+    `--random-init` makes a model of `shapes` with random weights on the device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if args.random_init:
         folder = Path(tempfile.mkdtemp(prefix="llm-random-"))
-        config = AutoConfig.for_model(**LLAMA_3_8B)
+        config = AutoConfig.for_model(**shapes)
         config.save_pretrained(folder)
         byte_level_tokenizer(add_bos=True).save_pretrained(folder)
         with torch.device("meta"):

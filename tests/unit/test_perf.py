@@ -161,3 +161,21 @@ def test_prefill_bench_compares_chunked_and_whole_prefill_and_prefix_caching(tmp
     assert len(rows) == 3 and rows[1].startswith("chunked prefill (24 tokens a step),")
     prefix = next((tmp_path / "t").glob("*-llm-prefix-cache.csv")).read_text().splitlines()
     assert [r.split(",")[0] for r in prefix[1:]] == ["prefix caching on", "prefix caching off"]
+
+
+def test_speculative_bench_by_construction_and_on_a_trained_model(tmp_path, smollm2_checkpoint):
+    from perf.speculative import main
+
+    assert main(["--random-init", "tiny", "--device", "cpu", "--dtype", "fp32", "--output-tokens", "12",
+                 "--input-tokens", "8", "--batches", "1", "2", "--rates", "1.0", "--results", str(tmp_path),
+                 "--host", "t"]) == 0
+    rows = next((tmp_path / "t").glob("*-speculative-tiny.csv")).read_text().splitlines()
+    assert [r.split(",")[:3] for r in rows[1:3]] == [["1", "none", ""], ["1", "1.0", "1.00"]]  # all accepted
+    assert len(rows) == 5
+    assert main(["--checkpoint", str(smollm2_checkpoint), "--draft", str(smollm2_checkpoint), "--device", "cpu",
+                 "--dtype", "fp32", "--requests", "2", "--output-tokens", "8", "--results", str(tmp_path),
+                 "--host", "t"]) == 0
+    table = next((tmp_path / "t").glob("*-speculative-pretrained-smollm2.csv")).read_text().splitlines()
+    own = [r.split(",") for r in table[1:] if "draft pretrained-smollm2" in r]
+    assert len(table) == 1 + 2 * 2 * 3 and len(own) == 4
+    assert all(r[5] == "1.00" and r[-1] in ("2/2", "4/4") for r in own)  # the model as its own draft: all accepted

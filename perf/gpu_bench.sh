@@ -30,6 +30,9 @@
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
+#   "speculative": the speculative decoding tests on the GPU, then perf.speculative on Llama-3-8B shapes (agreement
+#   set by construction, by batch size) and, with SMOLLM2_GGUF (the GGUF file `make engines` keeps in .checkpoints/gguf/,
+#   carried to the host), on SmolLM2 with prompt lookup and a draft of DRAFT_LAYERS (4) layers distilled in the run;
 #   "openai": perf.openai_bench (the OpenAI frontend against direct gRPC streaming) on the tiny llm, on this host's
 #   CPU and then on the GPU (OPENAI_DEVICES, "cpu cuda"; OPENAI_ARGS: more arguments, e.g. "--rounds 1");
 #   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
@@ -218,6 +221,16 @@ if [[ " ${SCENARIOS:-images} " == *" llm8b "* ]]; then
 from perf.report import hardware_line; \
 served_llm_in_process_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], Path(tempfile.mkdtemp()), \
 hardware_line('2.51.0'))" "$results" "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" speculative "* ]]; then
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_speculative.py -k "not qwen2"
+  "$py" -m perf.speculative --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
+  if [ -n "${SMOLLM2_GGUF:-}" ]; then  # SmolLM2's GGUF file from `make engines` (.checkpoints/gguf/), carried here
+    "$py" -c "import sys; from pathlib import Path; from build_engines.gguf import convert_gguf; \
+convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2_GGUF" "$WORK/smollm2"
+    "$py" -m perf.speculative --checkpoint "$WORK/smollm2" --train-draft "${DRAFT_LAYERS:-4}" \
+      --results "$results" --host "${HOST:-gpu}"
+  fi
 fi
 if [[ " ${SCENARIOS:-images} " == *" openai "* ]]; then
   for device in ${OPENAI_DEVICES:-cpu cuda}; do  # the tiny llm on this host's CPU cores, then on the GPU (bf16)

@@ -155,11 +155,11 @@ def by_construction(args, device: torch.device) -> tuple[list[str], list[list[st
     draft_bytes = sum(p.numel() * p.element_size() for p in draft.parameters())
     del draft
     biggest = max(args.batches)
-    engine = LLMEngine(checkpoint, EngineConfig(dtype="bf16", device=str(device), max_batch=biggest,
-                                                speculative="draft", draft_model=str(draft_dir),
-                                                speculative_max_batch=biggest, num_speculative_tokens=args.tokens,
-                                                speculative_schedule="fixed", prefix_caching=False,
-                                                kv_cache_memory_mb=16384 if device.type == "cuda" else 512), weights)
+    engine = LLMEngine(checkpoint, EngineConfig(
+        dtype=args.dtype, device=str(device), max_batch=biggest, graph_max_context=1024, speculative="draft",
+        draft_model=str(draft_dir), speculative_max_batch=biggest, num_speculative_tokens=args.tokens,
+        speculative_schedule="fixed", prefix_caching=False, kv_cache_memory_mb=16384 if device.type == "cuda" else 512),
+        weights)
     model_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
                       if n != "embed_tokens.weight")
     vocab = engine.model.args.vocab_size
@@ -191,8 +191,10 @@ def by_construction(args, device: torch.device) -> tuple[list[str], list[list[st
         measure(batch, args.sweep_rate, plain)
     header = ["batch", "agreement by construction", "acceptance measured", "accepted per verify step",
               "output tokens/s", "of none"]
-    notes = [f"Model: {args.random_init} shapes, random bf16 weights ({model_bytes / 1e9:.2f} GB read a token); draft: 2 "
-             f"layers of hidden 2048 with tied embeddings ({draft_bytes / 1e9:.2f} GB, "
+    notes = [f"Model: {args.random_init} shapes, random {args.dtype} weights ({model_bytes / 1e9:.2f} GB read a "
+             "token); "
+             f"draft: {draft_shapes['num_hidden_layers']} layers of hidden {draft_shapes['hidden_size']} with tied "
+             f"embeddings ({draft_bytes / 1e9:.2f} GB, "
              f"{draft_bytes / model_bytes:.3f} of the model), proposals replaced as the module docstring says; "
              f"{args.tokens} proposals a step (fixed); requests of {args.input_tokens} random tokens, "
              f"{args.output_tokens} out (forced); batch 1 over {args.batch1_requests} requests one after another.",

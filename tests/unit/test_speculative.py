@@ -3,6 +3,8 @@ transformers' (both proposers, concurrent batches, preemption, cancellation), an
 distribution (chi-square), which a wrong acceptance rule fails."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,13 +13,13 @@ from backends.llm.sampling import SamplingParams, probabilities
 from backends.llm.speculative import NgramProposer, accept, next_length
 from build_engines.checkpoints import tiny_checkpoint
 from build_engines.draft import truncated_draft
-from tests.conftest import ROOT
 
 # repetitive prompts, so prompt lookup finds its suffixes; and the tiny random models repeat themselves
 PROMPTS = ["the cat sat on the red car and the cat sat on the", "tree tree tree tree", "a photo of the dog",
            "red car blue car red car blue car red", "x", "it was a cat that sat on the red car by the tree", "of",
            "blue blue red blue blue red blue blue"]
 SIGNIFICANCE = 1e-3
+ROOT = Path(__file__).resolve().parents[2]  # (not tests.conftest: these tests also run alone on a GPU host)
 
 
 def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
@@ -220,3 +222,17 @@ def test_sampled_tokens_follow_the_models_distribution(checkpoint, draft):
         counts[index.get(tuple(seq.output_ids[:2]), len(cells))] += 1
     expected = torch.tensor([*cells.values(), 0.0])
     assert chi_square_p(counts, expected / expected.sum()) > SIGNIFICANCE, counts.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the paged decode kernel need a GPU")
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_on_the_gpu_verify_steps_replay_the_decode_graphs_with_the_same_tokens(checkpoint, proposer):
+    cuda = dict(dtype="fp32", device="cuda", kv_cache_memory_mb=64)  # fp32: no bf16 rounding between step shapes
+    plain = LLMEngine(checkpoint, EngineConfig(**cuda)).generate(PROMPTS, SamplingParams(max_tokens=40))
+    spec = {"speculative": "ngram"} if proposer == "ngram" else {"speculative": "draft",
+                                                                  "draft_model": str(checkpoint.resolve())}
+    engine = LLMEngine(checkpoint, EngineConfig(**cuda, **spec))
+    graphs = len(engine.runner.graphs)
+    seqs = engine.generate(PROMPTS, SamplingParams(max_tokens=40))
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
+    assert engine.stats.accepted_tokens > 0 and len(engine.runner.graphs) == graphs  # no capture while serving

@@ -109,25 +109,27 @@ class ModelRunner:
                         self.tensor([w for _, w in rows], torch.float32).repeat_interleave(repeats, 0,
                                                                                           output_size=total))
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Every uncached token of each sequence (its newest one, or more after a preemption-free rollback in a
-        draft's cache), then its `draft_ids`; logits [rows, vocab], a sequence's rows in order."""
+    def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Every uncached token of each sequence (its newest one, or more after a rollback in a draft's cache), then
+        its `draft_ids`; logits [rows, vocab], a sequence's rows in order. `ids`: the rows' token ids on the device
+        (the host's copy of them is not read), so a step can follow the last without a device sync."""
         rows = [(seq, position) for seq in seqs for position in range(seq.num_cached,
                                                                        seq.num_tokens + len(seq.draft_ids))]
         widest = max(len(s.block_table) for s in seqs)
         if len(rows) <= self.max_batch and widest <= self.max_blocks:
-            return self.decode_padded(rows, bucket(len(rows)), bucket(widest))
-        return self.decode_eager(rows)
+            return self.decode_padded(rows, bucket(len(rows)), bucket(widest), ids)
+        return self.decode_eager(rows, ids)
 
     @staticmethod
     def row_token(seq: Sequence, position: int) -> int:
         return seq.token_ids[position] if position < seq.num_tokens else seq.draft_ids[position - seq.num_tokens]
 
-    def decode_padded(self, rows: list[tuple[Sequence, int]], batch: int, width: int) -> torch.Tensor:
+    def decode_padded(self, rows: list[tuple[Sequence, int]], batch: int, width: int,
+                      ids: torch.Tensor | None = None) -> torch.Tensor:
         n, b = len(rows), self.max_batch
         host = self.host.numpy()  # padded rows: token 0 at position 0, written to and read from the scratch block
         host[:self.tables_at] = 0
-        host[:n] = [self.row_token(s, p) for s, p in rows]
+        host[:n] = 0 if ids is not None else [self.row_token(s, p) for s, p in rows]
         host[b:b + n] = [p for _, p in rows]
         host[2 * b:2 * b + n] = [self.blocks.slot(s, p) for s, p in rows]
         host[2 * b + n:2 * b + batch] = SCRATCH_BLOCK * self.blocks.block_size
@@ -144,6 +146,8 @@ class ModelRunner:
             self.lora_weights[:batch].copy_(self.host_weights[:batch], non_blocking=True)
         used = self.tables_at + batch * self.max_blocks  # one host-to-device copy (asynchronous from pinned memory)
         self.staged[:used].copy_(self.host[:used], non_blocking=True)
+        if ids is not None:
+            self.ids[:n].copy_(ids)
         if not self.capture:
             return self.forward_static(batch, width)[:n]
         if (batch, width) not in self.graphs:
@@ -187,13 +191,14 @@ class ModelRunner:
         self.pool = graph.pool()
         return graph, logits
 
-    def decode_eager(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def decode_eager(self, rows: list[tuple[Sequence, int]], ids: torch.Tensor | None = None) -> torch.Tensor:
         seqs = [seq for seq, _ in rows]
         positions = [p for _, p in rows]
         meta = AttentionMetadata(self.tensor([self.blocks.slot(s, p) for s, p in rows]), self.block_tables(seqs),
                                  self.tensor([[p] for p in positions]), None, max(positions) + 1,
                                  decode_kernel=self.decode_kernel)
         lora = self.lora_step(seqs, [1] * len(rows))
-        hidden = self.model(self.tensor([self.row_token(s, p) for s, p in rows]), self.tensor(positions),
+        ids = self.tensor([self.row_token(s, p) for s, p in rows]) if ids is None else ids
+        hidden = self.model(ids, self.tensor(positions),
                             self.kv_cache, meta, lora=lora)
         return self.model.logits(hidden)

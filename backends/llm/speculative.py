@@ -139,29 +139,34 @@ class DraftProposer:
         self.shadows: dict[int, Sequence] = {}
 
     def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[Draft]:
+        """Up to `lengths[i]` tokens for each sequence. The draft's steps follow each other on the device: each
+        step's tokens feed the next one there, and the host reads them all once at the end."""
         drafts = [Draft([]) for _ in seqs]
         work = [(seq, self._shadow(seq), k, draft) for seq, k, draft in zip(seqs, lengths, drafts) if k]
         work = [item for item in work if self._room(item[1], item[2])]
         if not work:
             return drafts
-        rows: dict[int, list[torch.Tensor]] = {id(draft): [] for *_, draft in work}
+        steps: list[tuple[list, torch.Tensor]] = []  # (the items that drew, their tokens on the device) per step
         logits = self._catch_up([shadow for _, shadow, _, _ in work])
         while True:
-            for (seq, shadow, _, draft), token, q in zip(work, *self._draw(logits, [item[0] for item in work])):
-                draft.tokens.append(token)
-                if q is not None:
-                    rows[id(draft)].append(q)
+            tokens, qs = self._draw(logits, [seq for seq, _, _, _ in work])
+            steps.append((work, tokens))
+            for (_, shadow, _, draft), q in zip(work, qs):
                 shadow.num_cached = shadow.num_tokens
-                shadow.output_ids.append(token)
-            work = [item for item in work if len(item[3].tokens) < item[2]]
-            if not work:
+                shadow.output_ids.append(0)  # its token is filled in below, once the host has it
+                draft.tokens.append(0)
+                if q is not None:
+                    draft.probs = q if draft.probs is None else torch.cat([draft.probs, q])
+            keep = [i for i, item in enumerate(work) if len(item[3].tokens) < item[2]]
+            if not keep:
                 break
-            for _, shadow, _, _ in work:
-                shadow.step_tokens = 1
-            logits = self.runner.decode([shadow for _, shadow, _, _ in work])
-        for draft in drafts:
-            if rows.get(id(draft)):
-                draft.probs = torch.cat(rows[id(draft)])
+            work = [work[i] for i in keep]
+            logits = self.runner.decode([shadow for _, shadow, _, _ in work],
+                                        ids=tokens[torch.tensor(keep, device=tokens.device)])
+        values = iter(torch.cat([tokens for _, tokens in steps]).tolist())  # the one device sync
+        for step, (items, _) in enumerate(steps):  # an item draws in every step from the first until it is done
+            for _, shadow, _, draft in items:
+                draft.tokens[step] = shadow.output_ids[step] = next(values)
         return drafts
 
     def _catch_up(self, shadows: list[Sequence]) -> torch.Tensor:
@@ -207,21 +212,21 @@ class DraftProposer:
         return True
 
     @staticmethod
-    def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """The draft's next token for each sequence (logits [B, vocab]): its argmax for greedy ones, else a draw
-        from its distribution q (returned too: the rejection rule needs it). One device sync for the argmaxes."""
-        best = logits.argmax(-1)
-        tokens, qs = best.tolist(), [None] * len(seqs)
+    def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The draft's next token for each sequence (logits [B, vocab]) on the device, without a sync: its argmax
+        for greedy ones, else a draw from its distribution q (returned too, [1, vocab]: the rejection rule needs
+        it; where q is not finite, the argmax and a point mass there, which keeps the rule exact)."""
+        tokens = logits.argmax(-1)
+        qs: list[torch.Tensor | None] = [None] * len(seqs)
         for i, seq in enumerate(seqs):
             if seq.sampling.greedy:
                 continue
             q = probabilities(logits[i:i + 1], [seq.sampling])
-            if not q.isfinite().all():  # proposing its argmax instead keeps the rule exact (q is a point mass)
-                qs[i] = torch.nn.functional.one_hot(best[i:i + 1], logits.shape[-1]).float()
-                continue
+            point = torch.nn.functional.one_hot(tokens[i:i + 1], logits.shape[-1]).to(q.dtype)
+            q = torch.where(q.isfinite().all(), q, point)
             qs[i] = q
-            tokens[i] = int(torch.multinomial(q[0], 1, generator=generator(seq, q.device)
-                                              if seq.sampling.seed is not None else None))
+            tokens[i] = torch.multinomial(q[0], 1, generator=generator(seq, q.device)
+                                          if seq.sampling.seed is not None else None)[0]
         return tokens, qs
 
     def forget(self, seq: Sequence) -> None:

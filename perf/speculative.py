@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--random-init", choices=sorted(SHAPES))
     parser.add_argument("--draft", type=Path, nargs="*", default=[], help="draft checkpoints (trained model)")
     parser.add_argument("--train-draft", type=int, metavar="LAYERS", help="distil a draft of LAYERS layers first")
-    parser.add_argument("--train-steps", type=int, default=600)
+    parser.add_argument("--train-steps", type=int, default=1000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--tokens", type=int, default=4, help="most proposals a step")

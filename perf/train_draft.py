@@ -19,15 +19,25 @@ import torch
 from build_engines.draft import truncated_draft
 
 REQUESTS = Path(__file__).resolve().parents[1] / "build_engines" / "data" / "calibration_prompts.txt"
+TOPICS = ["volcanoes", "the stock market", "honeybees", "a chess opening", "Python decorators", "the Roman empire",
+          "climate change", "a bicycle", "black holes", "bread baking", "the immune system", "electric cars",
+          "jazz music", "password security", "the water cycle", "a job interview", "photosynthesis", "the internet",
+          "marathon training", "ancient Egypt", "machine learning", "coffee", "earthquakes", "a budget spreadsheet",
+          "the moon landing", "vaccines", "recycling", "sleep", "the French language", "a small garden"]
+TASKS = ["Explain {} to a ten-year-old.", "Write a short poem about {}.", "List three facts about {}.",
+         "What are the pros and cons of {}?", "Summarize the history of {} in a paragraph.",
+         "Give me practical advice about {}.", "Describe {} in two sentences.", "Write a short story involving {}.",
+         "How does {} work?", "Write an email to a friend about {}."]
 
 
 def training_requests() -> list[str]:
-    """Varied requests: the demo adapters' questions and the first half of the calibration requests (the second half
-    is held out for the benchmark, perf.speculative)."""
+    """Varied requests: every task about every topic above, the demo adapters' questions and the first half of the
+    calibration requests (the second half is held out for the benchmark, perf.speculative)."""
     from build_engines.lora import HELD_OUT, QUESTIONS, SEA_QUESTIONS
 
     lines = [line for line in REQUESTS.read_text().splitlines() if line.strip()]
-    return QUESTIONS + SEA_QUESTIONS + HELD_OUT + lines[:len(lines) // 2]
+    return [t.format(topic) for topic in TOPICS for t in TASKS] + QUESTIONS + SEA_QUESTIONS + HELD_OUT + \
+        lines[:len(lines) // 2]
 
 
 def answers(checkpoint: Path, requests: list[str], samples: int, tokens: int, device: str) -> list[list[int]]:
@@ -48,8 +58,8 @@ def answers(checkpoint: Path, requests: list[str], samples: int, tokens: int, de
     return [seq.prompt_ids + seq.output_ids for seq in seqs]
 
 
-def distill(checkpoint: Path, out: Path, layers: int, steps: int = 600, batch: int = 16, lr: float = 5e-4,
-            samples: int = 4, tokens: int = 192, device: str = "cuda", seed: int = 0) -> dict[str, float]:
+def distill(checkpoint: Path, out: Path, layers: int, steps: int = 1000, batch: int = 16, lr: float = 5e-4,
+            samples: int = 2, tokens: int = 192, device: str = "cuda", seed: int = 0) -> dict[str, float]:
     """Train the draft; returns {"kl_start", "kl_end", "seconds", "sequences"}."""
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     print(distill(args.checkpoint, args.out, args.layers, args.steps, device=args.device))

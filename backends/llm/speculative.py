@@ -198,7 +198,7 @@ class DraftProposer:
         while agree < min(shadow.num_cached, len(tokens)) and seen[agree] == tokens[agree]:
             agree += 1
         shadow.prompt_ids, shadow.output_ids = tokens, []
-        shadow.num_cached = min(shadow.num_cached, agree)
+        shadow.num_cached = min(shadow.num_cached, agree, len(tokens) - 1)  # its last token: computed again
         self.blocks.shrink(shadow, shadow.num_cached)
         return shadow
 

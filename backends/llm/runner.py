@@ -199,6 +199,5 @@ class ModelRunner:
                                  decode_kernel=self.decode_kernel)
         lora = self.lora_step(seqs, [1] * len(rows))
         ids = self.tensor([self.row_token(s, p) for s, p in rows]) if ids is None else ids
-        hidden = self.model(ids, self.tensor(positions),
-                            self.kv_cache, meta, lora=lora)
+        hidden = self.model(ids, self.tensor(positions), self.kv_cache, meta, lora=lora)
         return self.model.logits(hidden)

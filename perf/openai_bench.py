@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="direct / frontend rounds, alternating")
+    parser.add_argument("--requests-per-stream", type=int, default=4,
+                        help="measured requests in a round, per concurrent stream (longer rounds settle the ratios)")
     parser.add_argument("--label", help="results are named <date>-openai-frontend-LABEL")
     parser.add_argument("--frontend-workers", type=int, default=1, help="python -m frontend --workers")
     parser.add_argument("--chat-model", default="smollm2",
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         frontend = start_frontend(server.grpc_url, args.repository, port := free_port(), args.frontend_workers)
         try:
             for concurrency in args.concurrency:
-                spec = LoadSpec(concurrency, args.input_tokens, args.output_tokens, requests=4 * concurrency)
+                spec = LoadSpec(concurrency, args.input_tokens, args.output_tokens,
+                                requests=args.requests_per_stream * concurrency)
                 rates: dict[str, list[float]] = {"direct": [], "sse": [], "sdk": []}
                 cores: dict[str, dict[str, float]] = {}
                 url = f"http://127.0.0.1:{port}/v1"
@@ -216,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                  "rounds (direct:SSE:SDK)", "CPU cores direct (server / frontend / client)",
                  "CPU cores SSE (server / frontend / client)"], rows,
                 hardware_line("2.51.0"),
-                [f"Each round: {4} x concurrency measured requests after a warm-up round of concurrency requests, "
+                [f"Each round: {args.requests_per_stream} x concurrency measured requests after a warm-up round of "
+                 "concurrency requests, "
                  "closed loop, output length forced (min_length / min_tokens), greedy; each round runs direct, then the "
                  "frontend read as plain SSE (httpx2, json per line), then through the official openai client's "
                  "async streaming (its per-chunk parsing is part of that column). Tokens counted with the model's tokenizer on each request's text. The frontend runs as "

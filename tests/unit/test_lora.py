@@ -221,3 +221,19 @@ def test_the_slot_product_equals_each_rows_own_adapter(base):
     expected = base + torch.stack([0.5 * own(0, 0), 2.0 * own(1, 1), 0.25 * own(2, 2) + 0.75 * own(2, 1),
                                    torch.zeros(q + 2 * kv, dtype=torch.float64)])
     torch.testing.assert_close(got, expected)
+
+
+def test_speculation_keeps_each_rows_adapter_tokens(base, root, peft_greedy):
+    """Speculative decoding with adapters: the draft (the base model itself here) proposes without them, the verify
+    rows apply each row's adapter, so base rows accept every proposal and adapter rows keep peft's tokens."""
+    engine = make_engine(base, root, speculative="draft", draft_model=str(base.resolve()), speculative_max_batch=16,
+                         speculative_schedule="fixed")
+    rows = [(prompt, lora_id) for prompt in PROMPTS[:3] for lora_id in (None, "alpha", "beta", "gamma")]
+    seqs = [engine.add(prompt, SamplingParams(max_tokens=TOKENS),
+                       lora=engine.choose_adapters(lora_id, prompt) if lora_id else ()) for prompt, lora_id in rows]
+    while engine.has_work:
+        engine.step()
+    for (prompt, lora_id), seq in zip(rows, seqs):
+        assert seq.output_ids == peft_greedy(prompt, lora_id), (prompt, lora_id)
+    assert 0 < engine.stats.accepted_tokens < engine.stats.proposed_tokens  # the adapters refused some proposals
+    assert engine.blocks.num_free == engine.blocks.num_blocks and sum(engine.adapters.slot_users) == 0

@@ -319,8 +319,9 @@ class LLMEngine:
         except Exception as e:
             raise StepFailed(seqs) from e
         finally:
-            for seq in seqs:
-                seq.draft_ids = []
+            if self.proposer is not None:  # a verify step's proposals are spent, whatever happened
+                for seq in seqs:
+                    seq.draft_ids = []
         decoding = sum(s.step_tokens == 1 and s.num_cached > 0 for s in seqs) if is_prefill else len(seqs)
         self.stats.prefill_steps += is_prefill
         if decoding:

@@ -14,6 +14,7 @@ from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import tiny_checkpoint
 from tests.conftest import ROOT
+from tests.unit.greedy import transformers_greedy
 
 PROMPTS = ["a photo of the cat", "red car", "the dog is on the grass and the person is in the tree with a blue car",
            "x", "tree tree tree", "it was a cat that sat on the red car by the tree", "blue", "of"]
@@ -26,18 +27,7 @@ def checkpoint(request):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-
-    def greedy(prompt: str, max_tokens: int) -> list[int]:
-        ids = tokenizer(prompt, return_tensors="pt")
-        with torch.inference_mode():
-            out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.input_ids.shape[1]:]
-        out = out.tolist()
-        return out[:-1] if out and out[-1] == tokenizer.eos_token_id else out  # the engine does not return EOS
-    return greedy
+    return transformers_greedy(checkpoint)
 
 
 def make_engine(checkpoint, **overrides) -> LLMEngine:

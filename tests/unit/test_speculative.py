@@ -12,6 +12,7 @@ from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sampling import SamplingParams, probabilities
 from backends.llm.speculative import NgramProposer, accept, next_length
 from build_engines.checkpoints import tiny_checkpoint
+from tests.unit.greedy import transformers_greedy
 from build_engines.draft import truncated_draft
 
 # repetitive prompts, so prompt lookup finds its suffixes; and the tiny random models repeat themselves
@@ -108,18 +109,7 @@ def draft(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-
-    def greedy(prompt: str, max_tokens: int) -> list[int]:
-        ids = tokenizer(prompt, return_tensors="pt")
-        with torch.inference_mode():
-            out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.input_ids.shape[1]:]
-        out = out.tolist()
-        return out[:-1] if out and out[-1] == tokenizer.eos_token_id else out
-    return greedy
+    return transformers_greedy(checkpoint)
 
 
 def make_engine(checkpoint, draft=None, **overrides) -> LLMEngine:

@@ -114,12 +114,13 @@ def _accumulate(acc, w, x_ptr, first_row, offs, K: tl.constexpr, EVEN: tl.conste
     """acc [ROWS_PAD, BLOCK_N] += each row's product with the weight tile w, which is read once for all of them; a
     row's sum is the same arithmetic as with one row a program (what makes the rows' results equal, bit for bit).
     One row: acc [BLOCK_N], the one-token kernel as it was measured."""
-    if ROWS == 1:
-        return acc + _partial_product(w, x_ptr + first_row * K, offs, K, EVEN)
-    r = tl.arange(0, ROWS_PAD)[:, None]
-    for j in tl.static_range(ROWS):
-        part = _partial_product(w, x_ptr + (first_row + j) * K, offs, K, EVEN)
-        acc = tl.where(r == j, acc + part[None, :], acc)
+    if ROWS == 1:  # (one return at the end: Triton's compiler refuses a return inside an if; its interpreter not)
+        acc = acc + _partial_product(w, x_ptr + first_row * K, offs, K, EVEN)
+    else:
+        r = tl.arange(0, ROWS_PAD)[:, None]
+        for j in tl.static_range(ROWS):
+            part = _partial_product(w, x_ptr + (first_row + j) * K, offs, K, EVEN)
+            acc = tl.where(r == j, acc + part[None, :], acc)
     return acc
 
 

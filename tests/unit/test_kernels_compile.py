@@ -1,0 +1,99 @@
+"""Every Triton kernel compiles for Hopper (sm_90), here on the CPU.
+
+The other kernel tests run in Triton's interpreter, which accepts code the compiler refuses: a `return` inside an
+`if` of `_accumulate` passed them all and failed every GEMV on the H200. `triton.compile` runs the real compiler
+(to PTX and a cubin, with Triton's own ptxas) without a GPU. It runs in a child process: this one imported the
+kernels under TRITON_INTERPRET (tests/conftest.py), which makes them interpreter functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+GEMV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scale_ptr": "*fp32",
+                 "x_scale_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "partial_ptr": "*fp32",
+                 "lock_ptr": "*i32"}
+
+
+def gemv(rows: int, fp8: bool, quantized: bool, split_k: int, pdl: bool, residual: bool) -> tuple:
+    return ("backends.llm.gemv", "_gemv_kernel", {**GEMV_POINTERS, "w_ptr": "*fp8e4nv" if fp8 else "*bf16"},
+            {"N": "i32"}, dict(K=4096, FP8=fp8, QUANTIZED=quantized, STATIC=False, HAS_BIAS=False,
+                               RESIDUAL=residual, EVEN=True, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=split_k,
+                               ITERS=4 // split_k, UNROLL=1, PDL=pdl, ROWS=rows, ROWS_PAD=1 << (rows - 1).bit_length()))
+
+
+def prepare(norm: bool, silu: bool, quantize: bool, static: bool) -> tuple:
+    return ("backends.llm.gemv", "_prepare_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16", "scale_ptr": "*fp32",
+                                                     "norm_ptr": "*bf16"}, {"eps": "fp32"},
+            dict(K=4096, NORM=norm, SILU=silu, QUANTIZE=quantize, STATIC=static, BLOCK=4096, PDL=True))
+
+
+def partition(fp8_cache: bool) -> tuple:
+    cache = "*u8" if fp8_cache else "*bf16"
+    strides = ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_tb", "partition", "partitions")
+    return ("backends.llm.paged_decode", "_partition_kernel",
+            {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "tables_ptr": "*i32", "lengths_ptr": "*i32",
+             "acc_ptr": "*fp32", "stats_ptr": "*fp32"}, {"scale": "fp32", **{name: "i32" for name in strides}},
+            dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, TOKENS=32, FP8=fp8_cache,
+                 PRECISION="tf32"))
+
+
+CASES = {
+    "gemv-bf16": gemv(1, False, False, 1, True, False),  # the batch-1 bf16 projection
+    "gemv-fp8-split-residual": gemv(1, True, False, 2, True, True),  # FP8 weights only, split K, residual add
+    "gemv-w8a8": gemv(1, True, True, 1, False, False),  # FP8 weights and per-token FP8 inputs
+    "gemv-5-rows": gemv(5, False, False, 1, True, True),  # a speculative verify step: several rows a program
+    "gemv-8-rows-fp8-split": gemv(8, True, False, 2, True, False),
+    "prepare-norm": prepare(True, False, False, False),
+    "prepare-silu-quantize": prepare(False, True, True, False),
+    "prepare-norm-static": prepare(True, False, True, True),
+    "paged-partition": partition(False),
+    "paged-partition-fp8-cache": partition(True),
+    "paged-combine": ("backends.llm.paged_decode", "_combine_kernel",
+                      {"acc_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16"}, {"partitions": "i32"},
+                      dict(HEAD_DIM=128, HEAD_PAD=128, PARTITIONS_PAD=8)),
+    "fp8-weight-gemm": ("backends.llm.fp8_gemm", "_fp8_weight_gemm_kernel",
+                        {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
+                         "out_ptr": "*bf16"}, {"M": "i32", "N": "i32", "K": "i32", "ITERS": "i32"},
+                        dict(HAS_BIAS=False, IEEE=False, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4)),
+}
+
+
+def compile_all() -> dict[str, str]:
+    """(In the child) each case's outcome: "ok", or the compiler's error."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results = {}
+    for name, (module, kernel, pointers, scalars, constants) in CASES.items():
+        signature = {**pointers, **scalars, **{key: "constexpr" for key in constants}}
+        try:
+            fn = getattr(importlib.import_module(module), kernel)
+            compiled = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+            ok = ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
+            results[name] = "ok" if ok else "no sm_90 PTX or cubin"
+        except Exception as e:  # noqa: BLE001  (reported per case)
+            results[name] = f"{type(e).__name__}: {e}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-c", "import json; from tests.unit.test_kernels_compile import "
+                            "compile_all; print(json.dumps(compile_all()))"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_compiles_for_hopper(outcomes, case):
+    assert outcomes[case] == "ok", outcomes[case]

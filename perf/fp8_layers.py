@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.llm import fp8
-from backends.llm.gemv import MAX_ROWS
+from backends.llm.model import GEMV_MAX_ROWS
 from perf.report import hardware_line, write_table
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             def kernel(layer, x):
                 return gemv(x, layer.weight, layer.weight_scale)
 
-            variants = {"scaled_mm": scaled_mm} | ({"triton": kernel} if m <= MAX_ROWS else {})
+            variants = {"scaled_mm": scaled_mm} | ({"triton": kernel} if m <= GEMV_MAX_ROWS else {})
             for variant, fn in variants.items():
                 error = ((fn(layers[0], x).double() - reference).norm() / reference.norm()).item()
                 if not error < 1e-2:

@@ -31,7 +31,7 @@
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
 #   "speculative": the speculative decoding tests on the GPU, then perf.speculative on Llama-3-8B shapes (agreement
-#   set by construction, by batch size; then with gemv_max_rows 8) and, with SMOLLM2_GGUF (the GGUF file `make engines` keeps in .checkpoints/gguf/,
+#   set by construction, by batch size) and, with SMOLLM2_GGUF (the GGUF file `make engines` keeps in .checkpoints/gguf/,
 #   carried to the host), on SmolLM2 with prompt lookup and a draft of DRAFT_LAYERS (4) layers distilled in the run;
 #   "openai": perf.openai_bench (the OpenAI frontend against direct gRPC streaming) on the tiny llm, on this host's
 #   CPU and then on the GPU (OPENAI_DEVICES, "cpu cuda"; OPENAI_ARGS: more arguments, e.g. "--rounds 3
@@ -225,9 +225,8 @@ hardware_line('2.51.0'))" "$results" "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" speculative "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_speculative.py -k "not qwen2"
-  "$py" -m perf.speculative --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
-  "$py" -m perf.speculative --random-init llama-3-8b --gemv-rows 8 --batches 1 2 --scenario speculative-8b-gemv-rows \
-    --results "$results" --host "${HOST:-gpu}"  # verify steps through the multi-row GEMV kernels
+  "$py" -m perf.speculative --random-init llama-3-8b --batches 1 2 4 8 16 32 64 --results "$results" \
+    --host "${HOST:-gpu}"
   if [ -n "${SMOLLM2_GGUF:-}" ]; then  # SmolLM2's GGUF file from `make engines` (.checkpoints/gguf/), carried here
     "$py" -c "import sys; from pathlib import Path; from build_engines.gguf import convert_gguf; \
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" "$SMOLLM2_GGUF" "$WORK/smollm2"

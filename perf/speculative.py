@@ -157,8 +157,8 @@ def by_construction(args, device: torch.device) -> tuple[list[str], list[list[st
     engine = LLMEngine(checkpoint, EngineConfig(
         dtype=args.dtype, device=str(device), max_batch=biggest, graph_max_context=1024, speculative="draft",
         draft_model=str(draft_dir), speculative_max_batch=biggest, num_speculative_tokens=args.tokens,
-        speculative_schedule="fixed", prefix_caching=False, gemv_max_rows=args.gemv_rows,
-        kv_cache_memory_mb=16384 if device.type == "cuda" else 512), weights)
+        speculative_schedule="fixed", prefix_caching=False, kv_cache_memory_mb=16384 if device.type == "cuda" else 512),
+        weights)
     model_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
                       if n != "embed_tokens.weight")
     vocab = engine.model.args.vocab_size
@@ -191,9 +191,8 @@ def by_construction(args, device: torch.device) -> tuple[list[str], list[list[st
              f"draft: {draft_shapes['num_hidden_layers']} layers of hidden {draft_shapes['hidden_size']} with tied "
              f"embeddings ({draft_bytes / 1e9:.2f} GB, "
              f"{draft_bytes / model_bytes:.3f} of the model), the agreement set as the module docstring says; "
-             f"{args.tokens} proposals a step (fixed); gemv_max_rows {args.gemv_rows}; requests of "
-             f"{args.input_tokens} random tokens, {args.output_tokens} out (forced); batch 1 over "
-             f"{args.batch1_requests} requests one after another.",
+             f"{args.tokens} proposals a step (fixed); requests of {args.input_tokens} random tokens, "
+             f"{args.output_tokens} out (forced); batch 1 over {args.batch1_requests} requests one after another.",
              "With random weights the model's greedy choices carry no meaning, so the agreement is set in the "
              "check itself (ConstructedAcceptance); the measured acceptance also counts proposals cut at the end of "
              "an answer."]
@@ -216,11 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="held-out chat requests (trained model)")
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--input-tokens", type=int, default=128)
-    parser.add_argument("--batch1-requests", type=int, default=4)
+    parser.add_argument("--batch1-requests", type=int, default=16)
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
     parser.add_argument("--sweep-rate", type=float, default=0.8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--gemv-rows", type=int, default=1, help="the engine's gemv_max_rows (by construction)")
     parser.add_argument("--scenario", default=None)
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())

@@ -66,9 +66,6 @@ class EngineConfig(QosParams):
     decode_linear: str = choice("gemv", "library")  # gemv: one-token steps run their linear layers as the Triton
     # kernels of gemv.py, the norms, SiLU * up and residual adds around them fused (CUDA); library: cuBLAS
     # (torch._scaled_mm for FP8) and separate kernels, what larger steps and the CPU run
-    gemv_max_rows: int = bounded(1, 1, 8)  # gemv: steps of up to this many rows run the GEMV kernels, each weight
-    # tile read once for all rows and each row's sums those of a one-row step (speculative verify steps: opt-in,
-    # not yet measured against cuBLAS)
     max_loras: int = bounded(0, 0)  # LoRA adapters on the device at once (slots shared by a step); 0: LoRA off
     max_lora_rank: int = bounded(16, 1)  # adapters of higher rank are refused; lower ranks are padded
     max_cpu_loras: int | None = bounded(None, 1)  # adapters kept on the host (default 4 x max_loras)
@@ -117,7 +114,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.model = load_model(checkpoint, self.dtype, self.device, weights,
                                 compile_kernels=config.compile_kernels and self.device.type == "cuda",
-                                gemv=config.decode_linear == "gemv", gemv_rows=config.gemv_max_rows)
+                                gemv=config.decode_linear == "gemv")
         args = self.model.args
         # rows of the widest decode step: its sequences, with speculation each with its proposals
         self.decode_rows = max(config.max_batch, config.speculative_max_batch * (1 + config.num_speculative_tokens)
@@ -185,7 +182,7 @@ class LLMEngine:
             raise ValueError(f"speculative 'draft': no draft checkpoint at {path} (draft_model)")
         draft = load_model(path, self.dtype, self.device,
                            compile_kernels=self.config.compile_kernels and self.device.type == "cuda",
-                           gemv=self.config.decode_linear == "gemv", gemv_rows=self.config.gemv_max_rows)
+                           gemv=self.config.decode_linear == "gemv")
         if draft.args.vocab_size != self.model.args.vocab_size:
             raise ValueError(f"the draft model at {path} has a vocabulary of {draft.args.vocab_size} tokens, the "
                              f"model {self.model.args.vocab_size}: a draft must share the model's tokenizer")

@@ -23,7 +23,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8 = torch.float8_e4m3fn
 MAX_K = 32768  # the longest input row `prepare` takes (one program holds it in registers)
-MAX_ROWS = 8  # steps of up to this many rows read each weight tile once for all of them (a program loops the rows)
 
 
 @dataclass(frozen=True)
@@ -109,69 +108,42 @@ def _partial_product(w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, w, x_ptr, first_row, offs, K: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr,
-                ROWS_PAD: tl.constexpr):
-    """acc [ROWS_PAD, BLOCK_N] += each row's product with the weight tile w, which is read once for all of them; a
-    row's sum is the same arithmetic as with one row a program (what makes the rows' results equal, bit for bit).
-    One row: acc [BLOCK_N], the one-token kernel as it was measured."""
-    if ROWS == 1:  # (one return at the end: Triton's compiler refuses a return inside an if; its interpreter not)
-        acc = acc + _partial_product(w, x_ptr + first_row * K, offs, K, EVEN)
-    else:
-        r = tl.arange(0, ROWS_PAD)[:, None]
-        for j in tl.static_range(ROWS):
-            part = _partial_product(w, x_ptr + (first_row + j) * K, offs, K, EVEN)
-            acc = tl.where(r == j, acc + part[None, :], acc)
-    return acc
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_ptr, partial_ptr, lock_ptr, N,
                  K: tl.constexpr, FP8: tl.constexpr, QUANTIZED: tl.constexpr, STATIC: tl.constexpr,
                  HAS_BIAS: tl.constexpr,
                  RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
-                 ROWS: tl.constexpr, ROWS_PAD: tl.constexpr):
-    pid_n, pid_k, first_row = tl.program_id(0), tl.program_id(1), tl.program_id(2) * ROWS
+                 SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
+    pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * K
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
     first = pid_k * ITERS * BLOCK_K
-    if ROWS == 1:
-        acc = tl.zeros([BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([ROWS_PAD, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
     if PDL:  # started while the kernel before may still run: read the first weight tile now (no kernel writes it),
         w = _load_weights(w_rows, first + k, cols, N, K, EVEN)
         gdc_wait()  # the input, the residual and every write only once that kernel is done
         gdc_launch_dependents()
-        acc = _accumulate(acc, w, x_ptr, first_row, first + k, K, EVEN, ROWS, ROWS_PAD)
+        acc += _partial_product(w, x_row, first + k, K, EVEN)
     for i in tl.range(1 if PDL else 0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        acc = _accumulate(acc, _load_weights(w_rows, offs, cols, N, K, EVEN), x_ptr, first_row, offs, K, EVEN,
-                          ROWS, ROWS_PAD)
-    for j in tl.static_range(ROWS):
-        row = first_row + j
-        if ROWS == 1:
-            row_acc = acc
-        else:
-            row_acc = tl.sum(tl.where(tl.arange(0, ROWS_PAD)[:, None] == j, acc, 0.0), axis=0)  # adds zeros: exact
-        x_scale = 1.0  # unquantized inputs: bf16 weights, or FP8 weights only
-        if QUANTIZED:
-            x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
-        if SPLIT_K == 1:
-            _finish(row_acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
-        else:
-            partials = partial_ptr + row * SPLIT_K * N + cols
-            tl.store(partials + pid_k * N, row_acc, mask=cols < N)
-            tl.debug_barrier()  # every thread's partial is written before the counter says so
-            lock = lock_ptr + row * tl.num_programs(0) + pid_n
-            if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of this block's programs
-                total = tl.zeros([BLOCK_N], tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    total += tl.load(partials + s * N, mask=cols < N, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(lock, 0)  # ready for the next call
-                _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS,
-                        RESIDUAL)
+        acc += _partial_product(_load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN)
+    x_scale = 1.0  # unquantized inputs: bf16 weights, or FP8 weights only
+    if QUANTIZED:
+        x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
+    if SPLIT_K == 1:
+        _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
+    else:
+        partials = partial_ptr + row * SPLIT_K * N + cols
+        tl.store(partials + pid_k * N, acc, mask=cols < N)
+        tl.debug_barrier()  # every thread's partial is written before the counter says so
+        lock = lock_ptr + row * tl.num_programs(0) + pid_n
+        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of this block's programs
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(partials + s * N, mask=cols < N, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock, 0)  # ready for the next call
+            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
 
 
 class _Workspace:
@@ -264,16 +236,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     split_k = triton.cdiv(chunks, iters)  # no program without work
     unroll = c.unroll if (iters - pdl) % c.unroll == 0 else 1  # (with PDL the first tile is read before the loop)
     blocks = triton.cdiv(n, c.block_n)
-    rows = m if m <= MAX_ROWS else 1  # rows a program takes
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     locks, partials = _WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
-    _gemv_kernel[(blocks, split_k, m // rows)](
+    _gemv_kernel[(blocks, split_k, m)](
         x, weight, out, weight_scale if fp8 else out,
         x_scale if x_scale is not None else out, bias if bias is not None else out,
         residual.contiguous() if residual is not None else out, partials, locks, n, K=k, FP8=fp8, QUANTIZED=quantize,
         STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        SPLIT_K=split_k, ITERS=iters, UNROLL=unroll, PDL=pdl, ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows),
-        num_warps=c.warps, **launch(pdl))
+        SPLIT_K=split_k, ITERS=iters, UNROLL=unroll, PDL=pdl, num_warps=c.warps, **launch(pdl))
     return out

@@ -24,6 +24,7 @@ from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme, quantize_tokens, scaled_
 if TYPE_CHECKING:
     from backends.llm.lora import LoraStep
 
+GEMV_MAX_ROWS = 1  # steps of one token run their linear layers through backends/llm/gemv.py on a GPU
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -77,7 +78,7 @@ def gemv_operands(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> tuple
     """(weight, weight_scale, input_scale, bias, quantize_input) where backends/llm/gemv.py runs `linear` at `x`'s
     rows, else None: one-token steps of plain or FP8 linear layers, on a GPU with Triton (FP8 from compute capability
     8.9)."""
-    if not kernels.gemv or x.shape[0] > kernels.gemv_rows or x.dtype not in GEMV_DTYPES:
+    if not kernels.gemv or x.shape[0] > GEMV_MAX_ROWS or x.dtype not in GEMV_DTYPES:
         return None
     fp8 = isinstance(linear, Fp8Linear)
     if not (fp8 or type(linear) is nn.Linear) or not gemv_runs_on(x.device, fp8):
@@ -148,17 +149,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class Kernels:
     """The elementwise pieces of a layer. `compiled()` gives torch.compile'd versions (one fused kernel each instead
     of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels). `gemv`: whether
-    steps of up to `gemv_rows` tokens (1: one-token steps) run their projections through gemv.py (see `project`)."""
+    one-token steps may run their projections through gemv.py (see `project`)."""
 
     rms_norm, rotate, silu_mul = staticmethod(rms_norm), staticmethod(rotate), staticmethod(silu_mul)
     quantize_tokens = staticmethod(quantize_tokens)  # FP8 layers' activations
 
-    def __init__(self, gemv: bool = True, gemv_rows: int = 1):
-        self.gemv, self.gemv_rows = gemv, gemv_rows
+    def __init__(self, gemv: bool = True):
+        self.gemv = gemv
 
     @classmethod
-    def compiled(cls, gemv: bool = True, gemv_rows: int = 1) -> Kernels:
-        kernels = cls(gemv, gemv_rows)
+    def compiled(cls, gemv: bool = True) -> Kernels:
+        kernels = cls(gemv)
         for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens"):
             setattr(kernels, name, torch.compile(getattr(cls, name), dynamic=True))
         return kernels
@@ -298,7 +299,7 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 
 def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
                tensors: Iterable[tuple[str, torch.Tensor]] | None = None, compile_kernels: bool = False,
-               gemv: bool = True, gemv_rows: int = 1) -> DecoderModel:
+               gemv: bool = True) -> DecoderModel:
     """Build the model on `device` from config.json and copy the weights in (Hugging Face names; q/k/v and gate/up
     fused on the way). `tensors` defaults to the checkpoint's safetensors; a live transformers model's
     `named_parameters()` works too (benchmarks with random weights). `compile_kernels`, `gemv`: see `Kernels`."""
@@ -308,8 +309,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str | torch.device,
     args = ModelArgs.from_checkpoint(path)
     fp8 = Fp8Scheme.from_config(json.loads((path / "config.json").read_text()).get("quantization_config"))
     with torch.device("meta"):
-        model = DecoderModel(args, Kernels.compiled(gemv, gemv_rows) if compile_kernels else Kernels(gemv, gemv_rows),
-                             fp8)
+        model = DecoderModel(args, Kernels.compiled(gemv) if compile_kernels else Kernels(gemv), fp8)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     for name, param in params.items():  # FP8 weights and their fp32 scales keep their types

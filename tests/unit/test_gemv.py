@@ -171,20 +171,3 @@ def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8
     assert decode() == unfused
     assert {kw["silu"] for kw in calls} == {True, False} and any(kw["norm"] for kw in calls)
     assert any(kw["residual"] is not None for kw in calls)
-
-
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]])  # without and with split-K
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_together_equal_each_row_alone_bit_for_bit(config, dtype):
-    """Up to MAX_ROWS rows share each weight tile (a speculative verify step's rows), and each row's result is the
-    one-row step's exactly: what keeps greedy tokens the same with and without speculation."""
-    for fp8, prologue in itertools.product([False, True], ["none", "norm", "silu"]):
-        (x, w, scale, bias), fused = operands(50, 70, fp8, dtype, prologue == "silu", prologue == "norm",
-                                              True, True, rows=5)
-        together = gemv(x, w, scale, None, bias, config=config, **fused)
-        alone = torch.cat([gemv(x[i:i + 1], w, scale, None, bias, config=config,
-                                **{**fused, "residual": fused["residual"][i:i + 1]}) for i in range(len(x))])
-        assert torch.equal(together, alone), (fp8, prologue)
-        if dtype == torch.float32:  # and the product itself (bf16 rounding is held to it by the tests above)
-            assert torch.allclose(together.double(), reference(x, w, scale, bias, **fused).double(), rtol=1e-5,
-                                  atol=1e-5)

@@ -7,7 +7,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT
 
-.PHONY: setup engines serve openai demo test test-unit bench genai-perf fp8-reference bundle clean
+.PHONY: setup engines serve openai demo test test-unit stress bench genai-perf fp8-reference bundle clean
 
 setup:            ## venv + pinned stack + tritonserver + perf_analyzer (idempotent)
 	bash scripts/setup.sh
@@ -38,6 +38,9 @@ fp8-reference: setup  ## SmolLM2 in FP8 written by llm-compressor itself (own ve
 	  .venv-llmcompressor/bin/pip install -q -r requirements-llmcompressor.txt)
 	.venv-llmcompressor/bin/python scripts/llmcompressor_fp8.py .checkpoints/pretrained-smollm2 \
 	  .checkpoints/smollm2-fp8-llmcompressor
+
+stress: setup      ## heavy reliability runs (CPU): 4x capacity against bounded and unbounded queues, with memory
+	$(PY) -m perf.overload
 
 bench: engines genai-perf  ## perf scenarios (perf/) and the in-process LLM engine benchmark
 	$(PY) -m perf

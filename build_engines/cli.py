@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-queue-size", type=int, default=None,
                         help="Triton-batched models: requests that may wait in the dynamic batcher's queue; one more "
                         "is refused at once with UNAVAILABLE (default: unbounded; in Triton 2.51 a bounded queue "
-                        "made some requests wait 500 ms at light load)")
+                        "made some requests wait 500 ms at light load, and served 0.2 of capacity when full: "
+                        "--batch-window adaptive bounds queues without that)")
     parser.add_argument("--prepare-threads", type=int, default=4, help="image decode/preprocess threads per instance")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--execution-env", default="auto",

@@ -49,8 +49,8 @@ class PythonModelConfig:
     decoupled: bool = False  # streaming: any number of responses per request (gRPC streaming and HTTP SSE)
     priority_levels: bool = False  # the QoS classes as the dynamic batcher's priority levels (costs latency: README)
     # the dynamic batcher's queue: one more request is refused at once (UNAVAILABLE), so overload cannot grow it
-    # without bound. None: unbounded (Triton's default): in Triton 2.51 a queue policy made some requests wait
-    # 500 ms in the queue at light load (perf_analyzer, concurrency 1: p50 3.7 ms, p90 503 ms)
+    # without bound. None: unbounded (Triton's default): in Triton 2.51 a queue policy leaves the batcher asleep up
+    # to 500 ms when a request arrives with no instance idle, or is refused (README, "Bounded queues")
     max_queue_size: int | None = None
     gpu_inputs: bool = False  # inputs reach the model where they are (GPU tensors from an ensemble step stay there)
 

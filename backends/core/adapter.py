@@ -151,7 +151,7 @@ class BatchedBackend(TritonBackend[P]):
         else:
             max_batch = max(1, self.model_config.get("max_batch_size", 1))
             # requests prepared in QoS order too, at most a batch (and a round of the pool) ahead of the engine
-            self.pool = QosPool(threads, self.name, ahead=max_batch + threads)
+            self.pool = QosPool(threads, self.name, ahead=max_batch + threads, nice=self.params.prepare_nice)
             if "dynamic_batching" in self.model_config:
                 log.warning("%s: batch_window %s with Triton's dynamic batcher too: requests wait in both",
                             self.name, self.params.batch_window)

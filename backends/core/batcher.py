@@ -40,6 +40,9 @@ class BatchingParams(QosParams):
 
     batch_window: str = choice(*WINDOWS)  # who batches and how long a batch that is not full waits (see above)
     batch_window_max_ms: float = bounded(15.0, 0)
+    # niceness added to the prepare threads: decoding yields the CPU to the thread that admits requests, so under
+    # overload the excess is refused at once instead of queueing in Triton before `execute` (perf.overload)
+    prepare_nice: int = bounded(5, 0, 19)
 
 
 class BatchWindow:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -172,6 +173,13 @@ class QosPolicy:
         return ticket
 
 
+def lower_priority(nice: int) -> None:
+    """This thread's CPU niceness raised by `nice` (Linux schedules each thread by its own)."""
+    if nice:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
+
+
 class QosPool:
     """A thread pool that starts queued work in QoS order (each task's ticket, aged when a thread frees up) rather
     than as submitted: a small image of class high does not wait behind 4K photos of class low queued before it.
@@ -179,10 +187,11 @@ class QosPool:
     With `ahead`, work runs at most that far ahead of its consumer: a task of class c starts only while fewer than
     `ahead` tasks of class c or higher have run without their requests starting (their tickets still queued). Under
     overload the requests that would wait anyway are not decoded early, so the CPU (and the device memory their images
-    would hold) stays with the requests being served; the consumer calls `kick` when requests start."""
+    would hold) stays with the requests being served; the consumer calls `kick` when requests start. With `nice`, its
+    threads run that much nicer than the rest of the process."""
 
-    def __init__(self, threads: int, name: str, ahead: int | None = None):
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    def __init__(self, threads: int, name: str, ahead: int | None = None, nice: int = 0):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=lower_priority, initargs=(nice,))
         self._queued: list[tuple[Ticket, int, Future, Callable, tuple]] = []
         self._lock = threading.Lock()
         self._order = itertools.count()  # ties: first submitted first

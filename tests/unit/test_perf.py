@@ -179,3 +179,25 @@ def test_speculative_bench_by_construction_and_on_a_trained_model(tmp_path, smol
     own = [r.split(",") for r in table[1:] if "draft pretrained-smollm2" in r]
     assert len(table) == 1 + 2 * 2 * 3 and len(own) == 4
     assert all(r[5] == "1.00" and r[-1] in ("2/2", "4/4") for r in own)  # the model as its own draft: all accepted
+
+
+def test_overload_memory_watch_sums_a_process_and_its_children():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from perf.overload import MemoryWatch
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 << 20); time.sleep(30)"])
+    try:
+        with MemoryWatch(os.getpid(), period_s=0.05) as watch:
+            own = watch.root.memory_info().rss / 2**20
+            start, deadline = time.perf_counter(), time.perf_counter() + 20
+            while watch.now() - own < 190 and time.perf_counter() < deadline:  # the child touches its 200 MB
+                time.sleep(0.05)
+            time.sleep(0.2)
+        assert watch.peak(start, time.perf_counter()) - own >= 190
+    finally:
+        child.kill()
+        child.wait()

@@ -224,3 +224,25 @@ def test_the_pool_runs_work_at_most_ahead_of_its_consumer_by_class():
     assert not parked.done()
     pool.shutdown()  # no task is left behind: each one answers its request
     assert parked.result(timeout=5) == "at shutdown"
+
+
+def test_the_pools_threads_run_at_the_niceness_asked_and_others_keep_theirs():
+    """Under our batcher the prepare threads yield the CPU (`prepare_nice`): the thread that admits requests must not
+    wait behind image decoding (perf.overload), and only the pool's own threads are lowered."""
+    import os
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    own = niceness()
+    pool = QosPool(2, "test-nice", nice=5)
+    try:
+        assert pool.submit(POLICY.ticket("normal"), niceness).result(timeout=5) == min(19, own + 5)
+    finally:
+        pool.shutdown()
+    assert niceness() == own
+    plain = QosPool(1, "test-not-nice")
+    try:
+        assert plain.submit(POLICY.ticket("normal"), niceness).result(timeout=5) == own
+    finally:
+        plain.shutdown()

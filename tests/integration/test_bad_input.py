@@ -101,6 +101,32 @@ def test_bad_input_is_invalid_arg_and_server_keeps_serving(server, protocol, mod
     assert good.shape == (1, 10) and np.isfinite(good).all()
 
 
+UNKNOWN_PARAMETER_INPUTS = {  # a good request of each model
+    "vit": {"image": image_column(GOOD)},
+    "clip_vision": {"image": image_column(GOOD)},
+    "clip_text": {"text": image_column(b"a cat")},
+    "sam": {"image": np.array([GOOD], dtype=object), **POINT},
+    "whisper": {"audio": image_column(SPEECH)},
+}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("model", list(UNKNOWN_PARAMETER_INPUTS))
+def test_an_unknown_request_parameter_is_refused_by_every_model(server, protocol, model):
+    """Finding 9 of the hostile run (issue 21): a misspelt request parameter was silently ignored by every model but
+    the generating ones, so the client never learnt that its option had no effect."""
+    from client.sdk import infer_inputs
+
+    api = http if protocol == "http" else grpc
+    client = api.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+    inputs = infer_inputs(api, UNKNOWN_PARAMETER_INPUTS[model])
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model, inputs, parameters={"temprature": 0.5})
+    assert str(info.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT"), info.value
+    assert "unknown request parameter(s) ['temprature']" in info.value.message(), info.value.message()
+    client.infer(model, infer_inputs(api, UNKNOWN_PARAMETER_INPUTS[model]))  # the same request without it is served
+
+
 def test_bad_request_in_a_batch_does_not_fail_its_neighbours(server):
     """Requests merged by the dynamic batcher are validated one by one: only the bad ones error, and the server's
     statistics show that they were batched."""

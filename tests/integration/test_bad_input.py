@@ -67,6 +67,9 @@ CASES = [  # (model, inputs, text the error must contain)
     ("whisper", {"audio": image_column(SPEECH), "language": image_column(b"xx")}, "unknown language 'xx'"),
     ("whisper", {"audio": image_column(SPEECH), "task": image_column(b"dance")}, "task must be one of"),
     ("whisper", {"audio": image_column(SPEECH), "language": image_column(b"\x00\x01")}, "unknown language"),
+    # found by a hostile run (issue 21): non-UTF-8 language or task was INTERNAL (UnicodeDecodeError), its batch too
+    ("whisper", {"audio": image_column(SPEECH), "language": image_column(b"\xff\xfe")}, "not valid UTF-8"),
+    ("whisper", {"audio": image_column(SPEECH), "task": image_column(b"\xc3\x28")}, "not valid UTF-8"),
     # tensors: missing, extra, wrong type, too many
     ("vit", {"other": image_column(GOOD)}, "unexpected inference input 'other'"),
     ("vit", {"image": image_column(GOOD), "extra": image_column(b"x")}, "expected 1 inputs but got 2 inputs"),

@@ -19,7 +19,8 @@ def build_sam(opts: BuildOptions) -> None:
     name = opts.model_name("sam")
     if up_to_date(opts, [name]):
         return
-    params = opts.parameters(SamParams, runtime=opts.runtime, device=opts.device)
+    # our batcher by default: prompts of concurrent requests share decoder calls (backends/mm_sam)
+    params = opts.parameters(SamParams, runtime=opts.runtime, device=opts.device, batch_window="adaptive")
     progress = Progress(name, 8 if opts.runtime == "tensorrt" else 6)
     version_dir = opts.repository / name / "1"
     with progress.step(f"loading {opts.checkpoint}"):

@@ -149,7 +149,7 @@ class BatchedBackend(TritonBackend[P]):
             self.pool = ThreadPoolExecutor(threads, thread_name_prefix=self.name)
             self.load()
         else:
-            max_batch = max(1, self.model_config.get("max_batch_size", 1))
+            max_batch = self.batch_limit()
             # requests prepared in QoS order too, at most a batch (and a round of the pool) ahead of the engine
             self.pool = QosPool(threads, self.name, ahead=max_batch + threads, nice=self.params.prepare_nice)
             if "dynamic_batching" in self.model_config:
@@ -165,6 +165,10 @@ class BatchedBackend(TritonBackend[P]):
 
     def load(self) -> None:
         """Load the engine (called by setup, after the pool exists; on our batcher's thread when it batches)."""
+
+    def batch_limit(self) -> int:
+        """Requests in one `infer` call under our batcher: the config's max_batch_size (at least one)."""
+        return max(1, self.model_config.get("max_batch_size", 1))
 
     def read(self, inputs: Inputs) -> list[Any]:
         """The items of one request to prepare (e.g. its encoded images); raise InvalidInput when it is wrong."""

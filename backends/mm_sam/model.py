@@ -1,38 +1,23 @@
 """`mm_sam`: Triton backend for `sam`, image + one prompt (points with labels, and/or one box, optionally the low-res
 logits of an earlier mask) -> masks at the image's size, IoU scores and the low-res logits.
 
-One prompt per engine call. The engine caches image embeddings by content hash; cache hits, misses and evictions are
-exported as counters (sam_embedding_cache_*), so a client can see a second click skip the encoder. With
-`batch_window` fixed (or adaptive) our batcher queues the requests in QoS order: a click on a cached image costs
-nothing in the score, a new image costs a full image's tokens (it runs the encoder).
+The engine caches image embeddings by content hash; cache hits, misses and evictions are exported as counters
+(sam_embedding_cache_*), so a client can see a second click skip the encoder. With `batch_window` adaptive (the
+build's default) or fixed our batcher queues the requests in QoS order, a click on a cached image costing nothing
+in the score and a new image a full image's tokens (it runs the encoder), and hands the engine up to `max_prompts`
+at once: their prompts share decoder calls (SamEngine.segment_batch). With `batch_window` triton each request runs
+alone (the model has no dynamic batcher: its inputs have no batch dimension).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-import numpy as np
 
 from backends.core.adapter import BatchedBackend
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
-from backends.sam.engine import SamEngine, SamParams, Segmentation, image_key
+from backends.sam.engine import Prompt, SamEngine, SamParams, Segmentation, image_key
 
 COUNTERS = {"hits": "image embeddings served from the cache", "misses": "images that ran the encoder",
             "evictions": "embeddings dropped from the cache to stay within its memory bound"}
 ENCODER_TOKENS = 64 * 64  # the image embedding's positions: the QoS size of an image that runs the encoder
-
-
-@dataclass
-class Prompt:
-    """One request: the encoded image and its prompt."""
-
-    image: bytes
-    points: np.ndarray | None
-    labels: np.ndarray | None
-    boxes: np.ndarray | None
-    mask_input: np.ndarray | None
-    multimask: bool
-    key: str = ""  # the embedding cache's key, hashed on the pool thread by `prepare`
 
 
 class TritonPythonModel(BatchedBackend[SamParams]):
@@ -47,9 +32,14 @@ class TritonPythonModel(BatchedBackend[SamParams]):
         self.engine = SamEngine(self.folder, self.params.runtime, self.device, self.params.embedding_cache_mb,
                                 self.params.max_points)
 
+    def batch_limit(self) -> int:
+        return self.params.max_prompts
+
     def read(self, inputs: Inputs) -> list[Prompt]:
-        return [Prompt(inputs.blob("image", "encoded image"), *(inputs.array(name) for name in (
-            "point_coords", "point_labels", "boxes", "mask_input")), inputs.scalar("multimask_output", bool, True))]
+        arrays = (inputs.array(name) for name in ("point_coords", "point_labels", "boxes", "mask_input"))
+        # copies: our batcher uses them after `execute` returns, when Triton may reuse the inputs' buffers
+        return [Prompt(inputs.blob("image", "encoded image"), *(None if a is None else a.copy() for a in arrays),
+                       inputs.scalar("multimask_output", bool, True))]
 
     def prepare(self, prompt: Prompt) -> Prompt:
         prompt.key = image_key(prompt.image)
@@ -59,9 +49,8 @@ class TritonPythonModel(BatchedBackend[SamParams]):
         cached = self.engine.cache.entries  # read only: the engine's thread owns the cache
         return {"image_tokens": sum(0 if p.key in cached else ENCODER_TOKENS for p in prepared)}
 
-    def infer(self, batch: list[list[Prompt]]) -> list[Segmentation]:
-        return [self.engine.segment(p.image, p.points, p.labels, p.boxes, p.multimask, p.mask_input, p.key)
-                for (p,) in batch]
+    def infer(self, batch: list[list[Prompt]]) -> list[Segmentation | Exception]:
+        return self.engine.segment_batch([prompt for (prompt,) in batch])
 
     def respond(self, result: Segmentation):
         return self.pb.InferenceResponse([self.pb.Tensor("masks", result.masks),

@@ -5,11 +5,16 @@ Preprocessing is transformers' SamProcessor (resize the longest side to 1024, no
 does its post-processing (upscale the low-res masks, crop the padding, resize to the original size) and the masks are
 its logits > 0, so masks and scores equal SamModel + SamProcessor's. The cache is keyed by the SHA-256 of the encoded
 image, least recently used first out, bounded by the bytes its embeddings hold.
+
+Prompts of several requests run as one decoder call (`segment_batch`), the decoder graph's batch: each call takes
+prompts whose per-call inputs agree (the image's original size, which the masks are upscaled to; the number of
+prompt tokens, since padding a prompt with more tokens would change its masks; single or multimask output).
+Prompts on different images of the same size batch together; each row has its own image embedding.
 """
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,7 @@ class SamParams(BatchingParams):
     device: str = device()
     embedding_cache_mb: int = bounded(1024, 0)  # host memory for cached image embeddings
     max_points: int = bounded(64, 1)
+    max_prompts: int = bounded(16, 1)  # requests in one decoder call (our batcher's batch: `batch_window`)
 
 
 def image_key(data: bytes) -> str:
@@ -79,6 +85,19 @@ class EmbeddingCache:
 
 
 @dataclass
+class Prompt:
+    """One request: the encoded image and its prompt (all its points, at most one box, an earlier mask's logits)."""
+
+    image: bytes
+    points: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    boxes: np.ndarray | None = None
+    mask_input: np.ndarray | None = None
+    multimask: bool = True
+    key: str = ""  # the embedding cache's key (`image_key`), when the caller has it already
+
+
+@dataclass
 class Segmentation:
     masks: np.ndarray  # bool [K, H, W] at the original image size (K = 3 with multimask output, else 1)
     iou_scores: np.ndarray  # float32 [K]
@@ -100,20 +119,47 @@ class SamEngine:
     def embed(self, data: bytes, key: str | None = None) -> Embedded:
         """The image's embedding, from the cache when these exact bytes were seen (`key`: their `image_key`, when
         the caller has it already)."""
-        key = key or image_key(data)
-        entry = self.cache.get(key)
-        if entry is None:
-            image = decode_image(data, self.max_pixels)
-            # SamProcessor's resize: the longest side to its longest_edge (1024)
-            scale = self.processor.image_processor.size["longest_edge"] / max(image.size)
-            check_resize(*image.size, (int(image.height * scale + 0.5), int(image.width * scale + 0.5)))
-            inputs = self.processor(images=image, return_tensors="np")
-            entry = Embedded(self.encoder.run({"pixel_values": inputs["pixel_values"]})["image_embeddings"],
-                             tuple(inputs["original_sizes"][0].tolist()),
-                             tuple(inputs["reshaped_input_sizes"][0].tolist()))
-            self.encoder_runs += 1
-            self.cache.put(key, entry)
+        entry = self.embed_batch([(data, key)])[0]
+        if isinstance(entry, Exception):
+            raise entry
         return entry
+
+    def embed_batch(self, images: list[tuple[bytes, str | None]]) -> list[Embedded | Exception]:
+        """Each (encoded image, its key or None)'s embedding, or its own error: cache hits as they are, the new
+        images (each distinct one once) preprocessed one by one and run through the encoder together."""
+        results: list[Embedded | Exception | None] = [None] * len(images)
+        new: dict[str, list[int]] = {}  # key -> the items that wait for it
+        pixels: dict[str, dict[str, np.ndarray]] = {}
+        for i, (data, key) in enumerate(images):
+            key = key or image_key(data)
+            if key in new:
+                new[key].append(i)
+            elif (entry := self.cache.get(key)) is not None:
+                results[i] = entry
+            else:
+                try:
+                    pixels[key] = self._preprocess(data)
+                    new[key] = [i]
+                except Exception as e:  # noqa: BLE001  (this image's own failure)
+                    results[i] = e
+        if pixels:
+            embeddings = self.encoder.run({"pixel_values": np.concatenate(
+                [inputs["pixel_values"] for inputs in pixels.values()])})["image_embeddings"]
+            for row, (key, inputs) in enumerate(pixels.items()):
+                entry = Embedded(embeddings[row:row + 1].copy(), tuple(inputs["original_sizes"][0].tolist()),
+                                 tuple(inputs["reshaped_input_sizes"][0].tolist()))
+                self.encoder_runs += 1
+                self.cache.put(key, entry)
+                for i in new[key]:
+                    results[i] = entry
+        return results
+
+    def _preprocess(self, data: bytes) -> dict[str, np.ndarray]:
+        """SamProcessor's pixel values and sizes of an encoded image (resized so its longest side is 1024)."""
+        image = decode_image(data, self.max_pixels)
+        scale = self.processor.image_processor.size["longest_edge"] / max(image.size)
+        check_resize(*image.size, (int(image.height * scale + 0.5), int(image.width * scale + 0.5)))
+        return self.processor(images=image, return_tensors="np")
 
     def check_prompt(self, points: np.ndarray | None, labels: np.ndarray | None, boxes: np.ndarray | None,
                      mask_input: np.ndarray | None, size: tuple[int, int]) -> None:
@@ -147,24 +193,56 @@ class SamEngine:
                 mask_input: np.ndarray | None = None, key: str | None = None) -> Segmentation:
         """One prompt (all points together, optionally one box and the low-res logits of an earlier mask) on one
         image."""
-        entry = self.embed(data, key)
-        self.check_prompt(points, labels, boxes, mask_input, entry.original_size)
+        result = self.segment_batch([Prompt(data, points, labels, boxes, mask_input, multimask, key or "")])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def segment_batch(self, prompts: list[Prompt]) -> list[Segmentation | Exception]:
+        """Each prompt's masks, or its own error (its image, its prompt): the new images through the encoder
+        together, then one decoder call per group of prompts that can share one (see the module's docstring)."""
+        results: list[Segmentation | Exception | None] = [None] * len(prompts)
+        groups: dict[tuple, list[tuple[int, Embedded, np.ndarray, np.ndarray]]] = defaultdict(list)
+        entries = self.embed_batch([(prompt.image, prompt.key or None) for prompt in prompts])
+        for i, (prompt, entry) in enumerate(zip(prompts, entries)):
+            try:
+                if isinstance(entry, Exception):
+                    raise entry
+                self.check_prompt(prompt.points, prompt.labels, prompt.boxes, prompt.mask_input, entry.original_size)
+            except Exception as e:  # noqa: BLE001  (this request's own failure)
+                results[i] = e
+                continue
+            coords, codes = self._tokens(prompt, entry)
+            groups[entry.original_size, len(codes), prompt.multimask].append((i, entry, coords, codes))
+        for (size, _, multimask), rows in groups.items():
+            masks = [prompts[i].mask_input for i, *_ in rows]
+            out = self.decoder.run({
+                "image_embeddings": np.concatenate([entry.embeddings for _, entry, _, _ in rows]),
+                "point_coords": np.stack([coords for _, _, coords, _ in rows]).astype(np.float32),
+                "point_labels": np.stack([codes for _, _, _, codes in rows]).astype(np.float32),
+                "mask_input": np.stack([np.zeros((1, LOW_RES, LOW_RES), np.float32) if m is None else m
+                                        for m in masks]).astype(np.float32),
+                "has_mask_input": np.array([0.0 if m is None else 1.0 for m in masks], np.float32),
+                "orig_im_size": np.array(size, np.int64), "multimask_output": np.array([int(multimask)])},
+                positive=("masks",))  # masks are their logits > 0, compared on the engine's device
+            for row, (i, *_) in enumerate(rows):
+                results[i] = Segmentation(out["masks"][row], out["iou_predictions"][row], out["low_res_masks"][row])
+        return results
+
+    @staticmethod
+    def _tokens(prompt: Prompt, entry: Embedded) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt's points in the 1024-px frame and their label codes (SamProcessor's scaling; a box's corners
+        are points labelled 2 and 3; without a box, SAM appends one padding point labelled -1)."""
         (height, width), (new_height, new_width) = entry.original_size, entry.reshaped_size
-        scale = np.array([new_width / width, new_height / height])  # SamProcessor's coordinate scaling
+        scale = np.array([new_width / width, new_height / height])
         coords, codes = [], []
-        if points is not None:
-            coords.append(points * scale)
-            codes.append(labels)
-        if boxes is not None:  # box corners are points labelled 2 and 3
-            coords.append(boxes.reshape(2, 2) * scale)
+        if prompt.points is not None:
+            coords.append(prompt.points * scale)
+            codes.append(prompt.labels)
+        if prompt.boxes is not None:
+            coords.append(prompt.boxes.reshape(2, 2) * scale)
             codes.append(np.array([2, 3]))
-        else:  # without a box, SAM appends one padding point
+        else:
             coords.append(np.zeros((1, 2)))
             codes.append(np.array([-1]))
-        out = self.decoder.run({
-            "image_embeddings": entry.embeddings, "point_coords": np.concatenate(coords)[None].astype(np.float32),
-            "point_labels": np.concatenate(codes)[None].astype(np.float32),
-            "mask_input": np.zeros((1, 1, LOW_RES, LOW_RES), np.float32) if mask_input is None else mask_input[None],
-            "has_mask_input": np.array([0.0 if mask_input is None else 1.0], np.float32),
-            "orig_im_size": np.array(entry.original_size, np.int64), "multimask_output": np.array([int(multimask)])})
-        return Segmentation(out["masks"][0] > 0, out["iou_predictions"][0], out["low_res_masks"][0])
+        return np.concatenate(coords), np.concatenate(codes)

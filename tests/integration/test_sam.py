@@ -4,6 +4,7 @@ prompts refused with the reason while the server keeps serving."""
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import pytest
@@ -77,3 +78,31 @@ def test_bad_prompts_are_invalid_arg_and_server_keeps_serving(server):
             client.segment(b"corrupt", [(1.0, 1.0)], [1])
         masks, _, _ = client.segment(IMAGE, [(10.0, 10.0)], [1])
     assert masks.shape[1:] == (480, 640)
+
+
+def test_concurrent_clicks_share_decoder_calls_and_each_gets_its_own_answer(server):
+    """Issue 24: prompts of concurrent requests run as one decoder call (our batcher hands the engine several), and
+    each request's masks are what it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    images = [IMAGE, encode(random_image(640, 480, seed=10), "JPEG")]
+    clicks = [(images[i % 2], [(20.0 + 37 * i % 600, 15.0 + 29 * i % 450)], [1 - (i % 3 == 2)]) for i in range(24)]
+    with Client(server.http_url) as client:
+        alone = [client.segment(image, points, labels) for image, points, labels in clicks]
+        batches, requests = metric(server, "batcher_batches_total", "sam"), metric(server, "batcher_requests_total",
+                                                                                  "sam")
+
+        def one(click):
+            with Client(server.http_url) as own:
+                return own.segment(*click)
+        with ThreadPoolExecutor(12) as pool:
+            together = list(pool.map(one, clicks))
+    for (masks, scores, low_res), (want_masks, want_scores, want_low_res) in zip(together, alone):
+        assert masks.shape == want_masks.shape and (masks == want_masks).mean() > 0.9999
+        np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+        np.testing.assert_allclose(low_res, want_low_res, atol=1e-4)
+    deadline = time.monotonic() + 5  # the batcher's metrics are set just after the responses
+    while metric(server, "batcher_requests_total", "sam") - requests < len(clicks):
+        assert time.monotonic() < deadline, "the batcher never counted the requests"
+        time.sleep(0.05)
+    assert metric(server, "batcher_batches_total", "sam") - batches < len(clicks)  # some ran together

@@ -13,7 +13,7 @@ from PIL import Image
 
 from backends.core.errors import InvalidInput
 from backends.media.images import decode_image
-from backends.sam.engine import Embedded, EmbeddingCache, SamEngine
+from backends.sam.engine import Embedded, EmbeddingCache, Prompt, SamEngine
 from tests.conftest import build_engines, encode, random_image
 
 
@@ -163,3 +163,46 @@ def test_bad_mask_input_and_corrupt_image_are_refused(engine):
         engine.segment(b"corrupt", point, label)
     with pytest.raises(InvalidInput, match="20000x1 .* an empty image"):  # was a ValueError "height=0": INTERNAL
         engine.segment(encode(Image.new("RGB", (20000, 1))), point, label)
+
+
+def test_prompts_of_several_requests_share_engine_calls_and_equal_each_alone(engines, engine):
+    """Issue 24: the batch's new images through the encoder in one call; one decoder call per group of prompts with
+    the same image size, number of prompt tokens and output kind (rows of different images, with and without a mask
+    input, in one call); a bad image or prompt fails alone; each answer is what the prompt gets alone."""
+    a, b = (encode(random_image(640, 480, seed=s), "JPEG") for s in (40, 41))
+    c = encode(random_image(300, 500, seed=42), "JPEG")
+    earlier = engine.segment(a, np.array([[100.0, 80.0]]), np.array([1]), multimask=False).low_res_logits
+    one, fg_bg = np.array([1]), np.array([1, 0])
+    prompts = [
+        Prompt(a, np.array([[320.0, 240.0]]), one),
+        Prompt(b, np.array([[10.0, 20.0]]), np.array([0])),  # another image of the same size: the same call
+        Prompt(a, np.array([[50.0, 50.0]]), one, mask_input=earlier),  # a mask input in that call too
+        Prompt(a, np.array([[100.0, 80.0], [500.5, 400.0]]), fg_bg),  # one more token: a call of its own
+        Prompt(c, boxes=np.array([[5.0, 5.0, 200.0, 300.0]]), multimask=False),  # another size
+        Prompt(a, np.array([[100.0, 80.0]]), one, mask_input=earlier, multimask=False),  # single mask output
+        Prompt(b, np.array([[9999.0, 1.0]]), one),  # outside its image: refused alone
+        Prompt(b"corrupt", np.array([[1.0, 1.0]]), one),
+        Prompt(b, np.array([[30.0, 40.0]]), one),
+    ]
+    calls: dict[str, list[int]] = {"encoder": [], "decoder": []}
+    runs = {name: getattr(engine, name).run for name in calls}
+
+    def counted(name: str, rows: str):
+        return lambda feeds, **options: calls[name].append(len(feeds[rows])) or runs[name](feeds, **options)
+    engine.encoder.run, engine.decoder.run = counted("encoder", "pixel_values"), counted("decoder", "point_coords")
+    try:
+        batched = engine.segment_batch(prompts)
+    finally:
+        engine.encoder.run, engine.decoder.run = runs["encoder"], runs["decoder"]
+    assert calls["encoder"] == [2] and sorted(calls["decoder"]) == [1, 1, 1, 4]  # b and c once each, a cached
+    fresh = SamEngine(engines["onnxruntime"], device="cpu")  # each image through the encoder alone
+    for prompt, got in zip(prompts, batched):
+        try:
+            alone = fresh.segment(prompt.image, prompt.points, prompt.labels, prompt.boxes, prompt.multimask,
+                                  prompt.mask_input)
+        except InvalidInput as e:
+            assert isinstance(got, InvalidInput) and str(got) == str(e)
+            continue
+        assert got.masks.shape == alone.masks.shape and (got.masks == alone.masks).mean() > 0.9999
+        np.testing.assert_allclose(got.iou_scores, alone.iou_scores, atol=1e-5)
+        np.testing.assert_allclose(got.low_res_logits, alone.low_res_logits, atol=1e-4)

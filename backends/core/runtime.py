@@ -8,6 +8,8 @@
 returns numpy float32/int64 arrays so model classes never care which engine ran;
 the torch and TensorRT runtimes also take torch tensors, which may already be on their device. Outputs named in
 `positive` come back as bool (> 0), compared where the engine ran: from a GPU a quarter of the bytes (SAM's masks).
+Outputs named in `keep` stay where the torch and TensorRT runtimes made them (torch tensors on their device, in
+their dtype), to feed another engine later without a round trip (SAM's cached image embeddings).
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ class Runtime(ABC):
     device: str
 
     @abstractmethod
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-        """Run one batch; feeds and results are keyed by the engine's tensor names (`positive`: see above)."""
+    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
+            ) -> dict[str, np.ndarray]:
+        """Run one batch; feeds and results are keyed by the engine's tensor names (`positive`, `keep`: see
+        above)."""
 
 
 class OnnxRuntime(Runtime):
@@ -50,7 +54,8 @@ class OnnxRuntime(Runtime):
         self.device = "cpu" if providers[0] == "CPUExecutionProvider" else "cuda"
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
 
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
+            ) -> dict[str, np.ndarray]:
         feeds = {name: array.astype(_ORT_TYPES[self.input_types[name]], copy=False) for name, array in feeds.items()}
         names = [o.name for o in self.session.get_outputs()]
         return {n: np.asarray(v) > 0 if n in positive else np.asarray(v, dtype=np.float32)
@@ -89,7 +94,8 @@ class TorchRuntime(Runtime):
             self.module = try_graphs(self.module, shapes, self.input_dtypes, torch.device(device),
                                      graph_batch) or self.module
 
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
+            ) -> dict[str, np.ndarray]:
         torch = self.torch
         args = [as_tensor(torch, feeds[name]).to(self.device, dtype)
                 for name, dtype in zip(self.input_names, self.input_dtypes)]
@@ -97,7 +103,8 @@ class TorchRuntime(Runtime):
             outputs = self.module(*args)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         # contiguous on the device: exported programs may return permuted strides, which numpy would gather on the CPU
-        return {n: device_to_numpy(o, n in positive) for n, o in zip(self.output_names, outputs)}
+        return {n: o.contiguous() if n in keep else device_to_numpy(o, n in positive)
+                for n, o in zip(self.output_names, outputs)}
 
 
 def device_to_numpy(tensor, positive: bool = False) -> np.ndarray:
@@ -136,7 +143,8 @@ class TensorRTRuntime(Runtime):
     def torch_dtype(self, name: str):
         return getattr(self.torch, np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name))).name)
 
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
+            ) -> dict[str, np.ndarray]:
         torch = self.torch
         stream = torch.cuda.current_stream()
         keep = []
@@ -153,7 +161,7 @@ class TensorRTRuntime(Runtime):
             self.context.set_tensor_address(name, results[name].data_ptr())
         self.context.execute_async_v3(stream.cuda_stream)
         stream.synchronize()
-        return {n: device_to_numpy(t, n in positive) for n, t in results.items()}
+        return {n: t if n in keep else device_to_numpy(t, n in positive) for n, t in results.items()}
 
 
 def available_runtimes(version_dir: Path) -> list[str]:

@@ -17,6 +17,7 @@ import hashlib
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ class SamParams(BatchingParams):
 
     runtime: str = choice("auto", *RUNTIMES)
     device: str = device()
-    embedding_cache_mb: int = bounded(1024, 0)  # host memory for cached image embeddings
+    embedding_cache_mb: int = bounded(1024, 0)  # memory for cached image embeddings (on the engine's device)
     max_points: int = bounded(64, 1)
     max_prompts: int = bounded(16, 1)  # requests in one decoder call (our batcher's batch: `batch_window`)
 
@@ -45,9 +46,20 @@ def image_key(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def concatenate(rows: list):
+    """Rows of numpy arrays, or of torch tensors (where a torch or TensorRT engine keeps them), along the batch."""
+    if isinstance(rows[0], np.ndarray):
+        return np.concatenate(rows)
+    import torch
+
+    return torch.cat(rows)
+
+
 @dataclass
 class Embedded:
-    embeddings: np.ndarray  # float32 [1, C, 64, 64], in host memory: the GPU keeps only what is running
+    # [1, C, 64, 64] where the encoder made it: a torch tensor on its device (torch and TensorRT engines; a click
+    # then sends only its prompt to the GPU), else float32 in host memory
+    embeddings: Any
     original_size: tuple[int, int]  # (height, width) of the decoded image
     reshaped_size: tuple[int, int]  # (height, width) after the longest side went to 1024
 
@@ -143,10 +155,12 @@ class SamEngine:
                 except Exception as e:  # noqa: BLE001  (this image's own failure)
                     results[i] = e
         if pixels:
-            embeddings = self.encoder.run({"pixel_values": np.concatenate(
-                [inputs["pixel_values"] for inputs in pixels.values()])})["image_embeddings"]
+            batch = np.concatenate([inputs["pixel_values"] for inputs in pixels.values()])
+            embeddings = self.encoder.run({"pixel_values": batch}, keep=("image_embeddings",))["image_embeddings"]
             for row, (key, inputs) in enumerate(pixels.items()):
-                entry = Embedded(embeddings[row:row + 1].copy(), tuple(inputs["original_sizes"][0].tolist()),
+                own = embeddings[row:row + 1]  # its own memory: the cache counts each entry's bytes
+                entry = Embedded(own.clone() if hasattr(own, "clone") else own.copy(),
+                                 tuple(inputs["original_sizes"][0].tolist()),
                                  tuple(inputs["reshaped_input_sizes"][0].tolist()))
                 self.encoder_runs += 1
                 self.cache.put(key, entry)
@@ -217,7 +231,7 @@ class SamEngine:
         for (size, _, multimask), rows in groups.items():
             masks = [prompts[i].mask_input for i, *_ in rows]
             out = self.decoder.run({
-                "image_embeddings": np.concatenate([entry.embeddings for _, entry, _, _ in rows]),
+                "image_embeddings": concatenate([entry.embeddings for _, entry, _, _ in rows]),
                 "point_coords": np.stack([coords for _, _, coords, _ in rows]).astype(np.float32),
                 "point_labels": np.stack([codes for _, _, _, codes in rows]).astype(np.float32),
                 "mask_input": np.stack([np.zeros((1, LOW_RES, LOW_RES), np.float32) if m is None else m

@@ -147,13 +147,13 @@ class TensorRTRuntime(Runtime):
             ) -> dict[str, np.ndarray]:
         torch = self.torch
         stream = torch.cuda.current_stream()
-        keep = []
+        alive = []  # the inputs' device copies, until the engine has run
         for name in self.inputs:
             dtype = self.torch_dtype(name)
             tensor = as_tensor(torch, feeds[name]).to("cuda", dtype)
             self.context.set_input_shape(name, tuple(tensor.shape))
             self.context.set_tensor_address(name, tensor.data_ptr())
-            keep.append(tensor)
+            alive.append(tensor)
         results = {}
         for name in self.outputs:
             dtype = self.torch_dtype(name)

@@ -128,17 +128,10 @@ class SamEngine:
         self.max_points, self.max_pixels = max_points, max_pixels
         self.encoder_runs = 0
 
-    def embed(self, data: bytes, key: str | None = None) -> Embedded:
-        """The image's embedding, from the cache when these exact bytes were seen (`key`: their `image_key`, when
-        the caller has it already)."""
-        entry = self.embed_batch([(data, key)])[0]
-        if isinstance(entry, Exception):
-            raise entry
-        return entry
-
     def embed_batch(self, images: list[tuple[bytes, str | None]]) -> list[Embedded | Exception]:
-        """Each (encoded image, its key or None)'s embedding, or its own error: cache hits as they are, the new
-        images (each distinct one once) preprocessed one by one and run through the encoder together."""
+        """Each (encoded image, its key or None)'s embedding, or its own error: from the cache when these exact
+        bytes were seen, else (each distinct image once) preprocessed one by one and run through the encoder
+        together."""
         results: list[Embedded | Exception | None] = [None] * len(images)
         new: dict[str, list[int]] = {}  # key -> the items that wait for it
         pixels: dict[str, dict[str, np.ndarray]] = {}

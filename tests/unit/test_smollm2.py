@@ -77,18 +77,33 @@ def test_greedy_answers_equal_transformers_alone_and_batched(engine, chats, expe
 def test_speculative_decoding_keeps_the_greedy_answers(smollm2_checkpoint, chats, expected, tokenizer, proposer,
                                                        tmp_path_factory):
     """On the trained model, with prompt lookup and with a draft cut from its first 8 layers (untrained: it is rarely
-    right, which exercises the rollback): the same answers as transformers; with prompt lookup, most steps add more
-    than one token where the answer quotes the prompt."""
+    right, which exercises the rollback): the same answers as transformers, all six chats at once in a 10-block KV
+    cache (too small: sequences are preempted and recomputed) and one of them cancelled midway; every block comes
+    back. With prompt lookup, most steps add more than one token where the answer quotes the prompt."""
     from build_engines.draft import truncated_draft
 
     config = {"speculative": proposer}
     if proposer == "draft":
         config["draft_model"] = str(truncated_draft(smollm2_checkpoint, tmp_path_factory.mktemp("draft"), 8))
-    engine = LLMEngine(smollm2_checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=64, **config))
+    engine = LLMEngine(smollm2_checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_blocks=10, **config))
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    for chat, seq, reference in zip(chats, engine.generate(chats, SamplingParams(max_tokens=TOKENS)), expected):
-        assert seq.output_ids == (reference[:-1] if reference[-1] == end_of_turn else reference), chat
-    assert engine.stats.proposed_tokens > 100
+    seqs = [engine.add(chat, SamplingParams(max_tokens=TOKENS)) for chat in chats]
+    cancelled, steps = seqs[3], 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps == 8:
+            engine.cancel(cancelled)
+    assert engine.scheduler.preemptions > 0 and engine.stats.proposed_tokens > 50
+    for chat, seq, reference in zip(chats, seqs, expected):
+        reference = reference[:-1] if reference[-1] == end_of_turn else reference
+        if seq is cancelled:
+            assert seq.finish_reason == "cancelled" and seq.output_ids == reference[:len(seq.output_ids)]
+        else:
+            assert seq.output_ids == reference, chat
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    if proposer == "draft":
+        assert engine.proposer.blocks.num_free == engine.proposer.blocks.num_blocks and not engine.proposer.shadows
     if proposer == "ngram":
         quote = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this sentence exactly: the quick "
                                                 "brown fox jumps over the lazy dog near the river bank."}],

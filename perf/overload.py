@@ -35,7 +35,7 @@ from build_engines.checkpoints import tiny_checkpoint
 from build_engines.cli import main as build_engines
 from client.sdk import generation_arrays, infer_inputs
 from perf.inputs import photo_like
-from perf.llm import StreamTiming, make_prompts, stream_one
+from perf.llm import LoadSpec, StreamTiming, closed_loop, make_prompts, stream_one
 from perf.report import hardware_line, write_table
 
 REFUSALS = ("Exceeds maximum queue size", "retry later")  # Triton's queue policy; backends/core/qos.py
@@ -122,21 +122,20 @@ async def send_one(client, scenario: Scenario, arrays: dict[str, np.ndarray], ti
     return timing
 
 
-async def closed_loop(url: str, scenario: Scenario, requests: list[dict], concurrency: int, count: int) -> float:
-    """Requests/s with `concurrency` in flight."""
+async def capacity(url: str, scenario: Scenario, requests: list[dict], concurrency: int, count: int) -> float:
+    """Requests/s with `concurrency` in flight (perf.llm's closed loop), after a warm-up of 4 x concurrency."""
     client = grpcclient.InferenceServerClient(url)
-    items = iter(range(count))
 
-    async def worker():
-        for i in items:
-            timing = await send_one(client, scenario, requests[i % len(requests)], 120)
-            assert timing.error is None, timing.error
+    async def send(i: int) -> StreamTiming:
+        return await send_one(client, scenario, requests[i % len(requests)], 120)
     try:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return count / (time.perf_counter() - start)
+        await closed_loop(send, LoadSpec(concurrency, 0, 0, 3 * concurrency))  # warm-up (it adds one round)
+        timings = await closed_loop(send, LoadSpec(concurrency, 0, 0, count))
     finally:
         await client.close()
+    errors = [t.error for t in timings if t.error]
+    assert not errors, errors[0]
+    return count / (max(t.ended for t in timings) - min(t.sent for t in timings))
 
 
 async def open_loop(url: str, scenario: Scenario, requests: list[dict], rate: float, duration_s: float,
@@ -178,10 +177,9 @@ def triton_queue(url: str, model: str) -> tuple[int, int]:
 def run(scenario: Scenario, server: TritonServer, checkpoint: Path, args: argparse.Namespace) -> list:
     requests = payloads(scenario, checkpoint)
     concurrency = 8
-    asyncio.run(closed_loop(server.grpc_url, scenario, requests, concurrency, 4 * concurrency))  # warm-up
-    capacity = asyncio.run(closed_loop(server.grpc_url, scenario, requests, concurrency, args.capacity_requests))
-    rate = args.load * capacity
-    print(f"{scenario.model}: capacity {capacity:.1f} requests/s, offering {rate:.1f} for {args.duration_s:g} s",
+    rate_1x = asyncio.run(capacity(server.grpc_url, scenario, requests, concurrency, args.capacity_requests))
+    rate = args.load * rate_1x
+    print(f"{scenario.model}: capacity {rate_1x:.1f} requests/s, offering {rate:.1f} for {args.duration_s:g} s",
           flush=True)
     queued_before = triton_queue(server.http_url, scenario.model)
     with MemoryWatch(server.process.pid) as memory:
@@ -201,7 +199,7 @@ def run(scenario: Scenario, server: TritonServer, checkpoint: Path, args: argpar
         print(f"{scenario.model}: {len(failed)} failed, first: {failed[0].error}", flush=True)
     latency = [t.ended - t.sent for t in served]
     served_s = max((t.ended for t in served), default=start) - start
-    row = [scenario.model, capacity, rate, len(sent), len(served), len(served) / max(served_s, 1e-9), len(refused),
+    row = [scenario.model, rate_1x, rate, len(sent), len(served), len(served) / max(served_s, 1e-9), len(refused),
            len(failed),
            len(sent) - len(answered), percentile_ms([t.ended - t.sent for t in refused], 99),
            queued[1] / max(1, queued[0]) / 1e6,

@@ -1,5 +1,5 @@
-"""transformers' greedy tokens for a checkpoint: the reference the LLM engine's tests hold it to. No server imports, so
-the engine's tests can also run alone on a GPU host."""
+"""transformers' greedy tokens for a checkpoint: the reference the LLM engine's tests hold it to; and running an engine
+with a cancellation midway. No server imports, so the engine's tests can also run alone on a GPU host."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,3 +22,13 @@ def transformers_greedy(checkpoint: Path) -> Callable[[str, int], list[int]]:
         out = out.tolist()
         return out[:-1] if out and out[-1] == tokenizer.eos_token_id else out
     return greedy
+
+
+def run_cancelling(engine, cancelled, at_step: int | None) -> None:
+    """Step `engine` until it has no work, cancelling the sequence `cancelled` after step `at_step` (None: never)."""
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps == at_step:
+            engine.cancel(cancelled)

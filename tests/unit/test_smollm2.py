@@ -9,6 +9,7 @@ import torch
 
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sampling import SamplingParams
+from tests.unit.greedy import run_cancelling
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about GPUs.", "List three primary colors.",
              "How many legs does a spider have?", "Say hello in Spanish.", "What is 2 + 3?"]
@@ -88,12 +89,8 @@ def test_speculative_decoding_keeps_the_greedy_answers(smollm2_checkpoint, chats
     engine = LLMEngine(smollm2_checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_blocks=10, **config))
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     seqs = [engine.add(chat, SamplingParams(max_tokens=TOKENS)) for chat in chats]
-    cancelled, steps = seqs[3], 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        if steps == 8:
-            engine.cancel(cancelled)
+    cancelled = seqs[3]
+    run_cancelling(engine, cancelled, at_step=8)
     assert engine.scheduler.preemptions > 0 and engine.stats.proposed_tokens > 50
     for chat, seq, reference in zip(chats, seqs, expected):
         reference = reference[:-1] if reference[-1] == end_of_turn else reference

@@ -12,7 +12,7 @@ from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sampling import SamplingParams, probabilities
 from backends.llm.speculative import NgramProposer, accept, next_length
 from build_engines.checkpoints import tiny_checkpoint
-from tests.unit.greedy import transformers_greedy
+from tests.unit.greedy import run_cancelling, transformers_greedy
 from build_engines.draft import truncated_draft
 
 # repetitive prompts, so prompt lookup finds its suffixes; and the tiny random models repeat themselves
@@ -150,12 +150,7 @@ def test_speculation_under_preemption_and_cancellation_keeps_tokens_and_frees_bl
                          **({"speculative": "ngram"} if proposer == "ngram" else {}))
     seqs = [engine.add(p, SamplingParams(max_tokens=40)) for p in PROMPTS]
     cancelled = seqs[2]
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        if steps == 6:
-            engine.cancel(cancelled)
+    run_cancelling(engine, cancelled, at_step=6)
     assert engine.scheduler.preemptions > 0 and engine.stats.accepted_tokens > 0
     for seq, expected in zip(seqs, plain):
         if seq is cancelled:

@@ -32,8 +32,9 @@ def build_whisper(opts: BuildOptions) -> None:
     engine = f"{name}_decoder" if opts.ensemble else name
     if up_to_date(opts, [engine], name):
         return
+    # our batcher by default: the engine batches continuously (requests join and leave its decoder batch per step)
     params = opts.parameters(WhisperParams, dtype=opts.precision, device=opts.device,
-                             prepare_threads=opts.prepare_threads)
+                             prepare_threads=opts.prepare_threads, batch_window="adaptive")
     progress = Progress(name, 3)
     version_dir = opts.repository / engine / "1"
     place_and_verify(opts.checkpoint, version_dir, WHISPER_FILES, verify_whisper, progress)

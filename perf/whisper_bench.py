@@ -1,13 +1,14 @@
 """Whisper throughput: clips/s and audio seconds per second (real-time factor) vs concurrency through the served
-`whisper` (perf_analyzer over gRPC, Triton's dynamic batcher), beside the in-process engine on the same clips in
-the same run.
+`whisper` (perf_analyzer over gRPC), beside the in-process engine under the same load (a closed loop of as many
+clips in flight as the highest concurrency) on the same clips in the same run.
 
-python -m perf.whisper_bench [--repository model_repository] [--concurrency 1 4 16] [--host NAME]
+python -m perf.whisper_bench [--repository model_repository] [--concurrency 1 16 64] [--host NAME]
 """
 from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import tempfile
 import time
@@ -53,29 +54,41 @@ def write_input_data(path: Path, items: list[tuple[bytes, float, int]]) -> Path:
     return path
 
 
-def in_process(folder: Path, items: list[tuple[bytes, float, int]], batch: int, dtype: str,
-               device: str, rounds: int = 3) -> float:
-    """Clips/s of the engine alone: decode + resample + features + encoder + greedy decoding, `batch` clips per
-    call (the clips cycled), after one warm-up call."""
-    from backends.whisper.engine import WhisperEngine
+def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency: int, params: dict[str, str],
+               device: str, clips_per_round: int) -> float:
+    """Clips/s of the engine alone with `concurrency` clips always in flight (a finished clip is replaced by the
+    next, the clips cycled): decode + resample on this thread, features, encoder and continuous-batched greedy
+    decoding, with the served model's engine parameters; after a warm-up round."""
+    from backends.whisper.engine import Clip, WhisperEngine
 
-    engine = WhisperEngine(folder, dtype, device)
-    chosen = [items[i % len(items)] for i in range(batch)]
+    engine = WhisperEngine(folder, params["dtype"], device, int(params["max_batch"]), int(params["encoder_batch"]),
+                           params["cuda_graphs"] == "true")
+    cycle = itertools.cycle(items)
 
-    def run():
-        audios = [decode_audio(audio) for audio, _, _ in chosen]
-        engine.transcribe(audios, ["en"] * batch, ["transcribe"] * batch, [tokens for _, _, tokens in chosen])
+    def add() -> None:
+        audio, _, tokens = next(cycle)
+        engine.add(Clip(decode_audio(audio), "en", "transcribe", tokens))
 
-    run()
+    def run(clips: int) -> None:
+        for _ in range(concurrency - len(engine.waiting) - (len(engine.running) - engine.free_slots)):
+            add()
+        done = 0
+        while done < clips:
+            for clip in engine.step():
+                if clip.error is not None:
+                    raise clip.error
+                done += 1
+                add()
+
+    run(concurrency)
     start = time.perf_counter()
-    for _ in range(rounds):
-        run()
-    return rounds * batch / (time.perf_counter() - start)
+    run(clips_per_round)
+    return clips_per_round / (time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.whisper_bench", description=__doc__)
-    args = bench_arguments(parser, 4000).parse_args(argv)
+    args = bench_arguments(parser, 4000, concurrency=(1, 16, 64)).parse_args(argv)
     items = clips()
     mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
     folder = args.repository / "whisper" / "1"
@@ -94,19 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = [[f"Triton, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, p.p50_us / 1e3,
              p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%"] for p in points]
     hardware = hardware_line(version)
-    batch = max(args.concurrency)
-    rate = in_process(folder, items, batch, engine_meta["precision"], device)
-    rows.append([f"in-process engine, batch {batch}", rate, rate * mean_seconds, "-", "-", "-"])
+    load = max(args.concurrency)
+    params = {key: value["string_value"] for key, value in config["parameters"].items()}
+    rate = in_process(folder, items, load, params, device, clips_per_round=4 * load)
+    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-"])
     best = max(r[1] for r in rows[:-1]) if len(rows) > 1 else float("nan")
     notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
              f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "
              "second of speech) in English. Audio s/s = clips/s x the mean clip length "
              f"({mean_seconds:g} s): the real-time factor's inverse (RTFx).",
-             f"Model: {config['parameters'].get('dtype', {}).get('string_value', '?')} weights from "
-             f"{Path(engine_meta['checkpoint']).name}, device {device}; Triton batches up to "
-             f"{config.get('max_batch_size')} requests (dynamic batching).",
-             f"In-process: the same engine, {batch} clips per call (decode, resample, features, encoder, greedy "
-             f"decoding), in this process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
+             f"Model: {params['dtype']} weights from {Path(engine_meta['checkpoint']).name}, device {device}; "
+             f"batch_window {params['batch_window']}, {params['max_batch']} decoder slots, up to "
+             f"{params['encoder_batch']} clips joining per step, CUDA graphs {params['cuda_graphs']}.",
+             f"In-process: the same engine and parameters with {load} clips always in flight (decode, resample, "
+             f"features, encoder, continuous-batched greedy decoding), {4 * load} clips after a warm-up, in this "
+             f"process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
              *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util"]
     print(write_table(args.results / args.host, "whisper-throughput", header, rows, hardware, notes), flush=True)

@@ -9,7 +9,8 @@ else -> INTERNAL with a short message for the client and the traceback in the se
 model thread, prepare its items on a thread pool, run all prepared requests through the engine at once; when that
 shared call fails, each request is retried alone so that only the one that fails gets the error. Who forms the
 batches is the `batch_window` parameter: Triton's dynamic batcher ("triton"), or our own (backends.core.batcher: QoS
-order, adaptive or fixed window), which answers each request through its response sender once its batch ran.
+order, adaptive or fixed window), which answers each request through its response sender once its batch ran. A
+backend whose engine takes requests between steps (`stepper`) runs under our ContinuousBatcher instead.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from backends.core.batcher import Batcher, BatchWindow, Job, answer
+from backends.core.batcher import Batcher, BatchWindow, ContinuousBatcher, Job, Stepper, answer
 from backends.core.errors import InjectedFault, InvalidInput, NotFound, Unavailable
 from backends.core.heartbeat import Heartbeat
 from backends.core.inputs import Inputs, check_request_parameters
@@ -160,8 +161,11 @@ class BatchedBackend(TritonBackend[P]):
             self.batch_metrics = CustomMetrics(self.pb, self.labels, BATCHER_GAUGES, BATCHER_COUNTERS)
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
             self.heartbeat = Heartbeat(self.name)  # the `health` model watches the batcher's loop through it
-            self.batcher = Batcher(self._run_jobs, max_batch, window, name=f"{self.name}-batcher",
-                                   setup=self.load, after=self._update_metrics, heartbeat=self.heartbeat)
+            common = dict(name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics,
+                          heartbeat=self.heartbeat)
+            stepper = self.stepper()
+            self.batcher = Batcher(self._run_jobs, max_batch, window, **common) if stepper is None else \
+                ContinuousBatcher(stepper, window, **common)
 
     def load(self) -> None:
         """Load the engine (called by setup, after the pool exists; on our batcher's thread when it batches)."""
@@ -169,6 +173,11 @@ class BatchedBackend(TritonBackend[P]):
     def batch_limit(self) -> int:
         """Requests in one `infer` call under our batcher: the config's max_batch_size (at least one)."""
         return max(1, self.model_config.get("max_batch_size", 1))
+
+    def stepper(self) -> Stepper | None:
+        """Under our batcher: an engine that takes requests between its steps (jobs' `work`: the prepared items and
+        the fault stage), or None (`infer` runs batches)."""
+        return None
 
     def read(self, inputs: Inputs) -> list[Any]:
         """The items of one request to prepare (e.g. its encoded images); raise InvalidInput when it is wrong."""
@@ -261,14 +270,18 @@ class BatchedBackend(TritonBackend[P]):
 
     def _run_jobs(self, batch: list[Job]) -> list[Any]:
         """On the batcher thread: one engine call for the batch (failures isolated per request)."""
-        self.pool.kick()  # the batch's requests have started: room for more ahead of the engine
+        self.jobs_started()
+        outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
+                                       {i: job.work[1] for i, job in enumerate(batch)})
+        return [outputs[i] for i in range(len(batch))]
+
+    def jobs_started(self) -> None:
+        """On the batcher thread, as requests start in the engine."""
+        self.pool.kick()  # room for more ahead of the engine
         try:
             self._update_qos_metrics()  # clients see a request start (qos_admitted_total) before it ends
         except Exception:  # metrics never fail requests
             log.exception("%s: updating the QoS metrics failed", self.name)
-        outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
-                                       {i: job.work[1] for i, job in enumerate(batch)})
-        return [outputs[i] for i in range(len(batch))]
 
     def _update_qos_metrics(self) -> None:
         admission = self.qos.admission

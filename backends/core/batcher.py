@@ -12,6 +12,8 @@ response sender, and batches them here:
   queued up meanwhile (two or more waiting when the engine is free) or a wait gathered some; it halves when a wait
   gathered none, and when the p99 latency of the last 64 requests rises above 1.5x its rolling baseline. Requests
   that come one at a time therefore never wait.
+`ContinuousBatcher` serves engines whose running batch takes and releases requests between steps (whisper's decoder):
+waiting requests join in QoS order whenever the engine has room, without waiting for the batch in flight to end.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -198,12 +200,14 @@ class Batcher:
             answer(job, error)
         return batch
 
-    def _wait_for_more(self) -> None:
-        """Hold a batch that is not full up to the window (lock held; `wait` releases it)."""
-        if len(self._jobs) >= self.max_batch or self.window.current_s <= 0:
+    def _wait_for_more(self, limit: int | None = None) -> None:
+        """Hold a batch that is not full (`limit`, default max_batch) up to the window (lock held; `wait`
+        releases it)."""
+        limit = limit or self.max_batch
+        if len(self._jobs) >= limit or self.window.current_s <= 0:
             return
         before, deadline = len(self._jobs), time.monotonic() + self.window.current_s
-        while len(self._jobs) < self.max_batch and not self._closed and (left := deadline - time.monotonic()) > 0:
+        while len(self._jobs) < limit and not self._closed and (left := deadline - time.monotonic()) > 0:
             self._cond.wait(left)
         self.window.waited(len(self._jobs) - before)
 
@@ -212,6 +216,86 @@ class Batcher:
         expired, self._jobs = [j for j in self._jobs if j.ticket.expired(now)], \
             [j for j in self._jobs if not j.ticket.expired(now)]
         return [(job, job.ticket.time_out(now)) for job in expired]
+
+
+class Stepper(Protocol):
+    """An engine that runs requests in steps, taking new ones between steps (ContinuousBatcher's engine)."""
+
+    busy: bool  # holds requests (so the loop steps without waiting for new ones)
+
+    def room(self) -> int:
+        """How many more jobs it takes now."""
+
+    def admit(self, jobs: list[Job]) -> None:
+        """Take jobs (their `work`); they run from the next step."""
+
+    def step(self) -> list[tuple[Job, Any]]:
+        """One step; the jobs that finished with their output (or exception: failures stay with their jobs)."""
+
+    def abort(self) -> list[Job]:
+        """Drop every job held (after a failure `step` did not contain, or at close); returns them."""
+
+
+class ContinuousBatcher(Batcher):
+    """A thread that runs `setup()`, then steps `engine` while it is busy; between steps, waiting jobs join it in QoS
+    order up to its room (any class: a continuous batch has no lockstep). When it is idle the window applies, as in
+    Batcher. `after()` runs after each step that answered jobs."""
+
+    def __init__(self, engine: Stepper, window: BatchWindow, name: str = "batcher",
+                 setup: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None,
+                 heartbeat: Heartbeat | None = None):
+        self.engine = engine
+        super().__init__(lambda batch: [], 0, window, name, setup, after, heartbeat)
+
+    def _loop(self) -> None:
+        while (jobs := self._take()) is not None:
+            with self._heartbeat.step() if self._heartbeat else nullcontext():
+                self._step(jobs)
+        for job in self.engine.abort():
+            answer(job, Unavailable("the model is being unloaded"))
+
+    def _step(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.ticket.start()
+        try:
+            if jobs:
+                self.batches, self.requests = self.batches + 1, self.requests + len(jobs)
+                self.engine.admit(jobs)
+            finished = self.engine.step() if self.engine.busy else []
+        except Exception as e:  # the engine isolates failures per job; this is a bug in it, still answered
+            log.exception("engine step failed")
+            finished = [(job, e) for job in self.engine.abort()]
+        now = time.monotonic()
+        for job, output in finished:
+            answer(job, output)
+            self.window.finished(now - job.ticket.arrival)
+        if finished:
+            try:
+                self._after()
+            except Exception:
+                log.exception("after a step")
+
+    def _take(self) -> list[Job] | None:
+        """Jobs to admit before the next step (none while the engine is full); None once closed."""
+        with self._cond:
+            while not (self._jobs or self._closed or self.engine.busy):
+                if self._heartbeat:
+                    self._heartbeat.beat()
+                self._cond.wait(IDLE_WAKE_S)
+            if self._closed:
+                return None
+            expired = self._take_expired(time.monotonic())
+            room, jobs = self.engine.room(), []
+            if self._jobs and room > 0:
+                if not self.engine.busy:
+                    self.window.backlog(len(self._jobs))
+                    self._wait_for_more(room)
+                now = time.monotonic()
+                self._jobs.sort(key=lambda job: job.ticket.key(now))
+                jobs, self._jobs = self._jobs[:room], self._jobs[room:]
+        for job, error in expired:
+            answer(job, error)
+        return jobs
 
 
 def start_thread(setup: Callable[[], None], run: Callable[[], None], name: str) -> threading.Thread:

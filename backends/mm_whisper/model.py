@@ -1,10 +1,11 @@
 """`mm_whisper`: Triton backend for `whisper`, audio bytes (+ optional language, task, max_tokens) -> text and tokens.
 
-Triton's dynamic batcher hands `execute` several requests at once (or, with `batch_window` adaptive or fixed, our
-batcher forms the batches: QoS order with audio seconds as the cost). Their audio is decoded and resampled on the
-thread pool, each request checked on its own, clips longer than 30 s are cut into overlapping chunks, and the chunks
-of every request go through the engine together (up to `max_batch` clips per engine call). Each request's chunks are
-then merged back into one transcript.
+Each request is checked on its own, its audio decoded and resampled on the thread pool and cut into overlapping 30 s
+chunks when longer. With `batch_window` adaptive or fixed (the default) the engine batches continuously: requests
+join the running decoder batch between steps in QoS order (audio seconds as the cost) as slots free up, each chunk in
+a slot of its own, and a request is answered as soon as its last chunk is done. With "triton", Triton's dynamic
+batcher hands `execute` several requests at once and their chunks run together to the end of the longest. Each
+request's chunks are merged back into one transcript.
 
 As a Triton ensemble (`build_engines whisper --ensemble`) it runs as two models of this backend, told apart by their
 tensors: `whisper_audio` (CPU instances) decodes and resamples, `_audio` out; `whisper_decoder` (the engine) takes
@@ -13,22 +14,32 @@ tensors: `whisper_audio` (CPU instances) decodes and resamples, `_audio` out; `w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
-from backends.core.adapter import BatchedBackend
+from typing import Any
+
+from backends.core.adapter import BatchedBackend, inject
+from backends.core.batcher import Job
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
+from backends.core.metrics import CustomMetrics
 from backends.media.audio import SAMPLE_RATE, decode_audio
 from backends.whisper.chunking import merge, split
-from backends.whisper.engine import TASKS, WhisperEngine, WhisperParams
+from backends.whisper.engine import TASKS, Clip, WhisperEngine, WhisperParams
 
 
 AUDIO = "_audio"  # the tensor between an ensemble's steps: 16 kHz mono float32 samples
+GAUGES = {"whisper_clips_running": "clips (30 s chunks) in the decoder's running batch",
+          "whisper_clips_waiting": "clips waiting for a decoder slot"}
+COUNTERS = {"whisper_decode_steps_total": "decoder steps",
+            "whisper_decode_tokens_total": "tokens fed by decoder steps (÷ steps = mean decode batch)",
+            "whisper_encoded_clips_total": "clips through the encoder"}
 
 
 @dataclass
-class Job:
+class Request:
     """One request: its audio (encoded, or samples from an ensemble's first step; then as 30 s chunks) and its
     decoding options."""
 
@@ -43,14 +54,30 @@ class Job:
 class TritonPythonModel(BatchedBackend[WhisperParams]):
     Params = WhisperParams
 
-    def load(self) -> None:
-        self.decodes_only = AUDIO in {t["name"] for t in self.model_config["output"]}
-        self.takes_samples = AUDIO in {t["name"] for t in self.model_config["input"]}
-        self.engine = None if self.decodes_only else WhisperEngine(self.folder, self.params.dtype, self.device)
+    @cached_property
+    def decodes_only(self) -> bool:
+        """An ensemble's first step: decodes and resamples, no engine."""
+        return AUDIO in {t["name"] for t in self.model_config["output"]}
 
-    def read(self, inputs: Inputs) -> list[Job]:
+    def setup(self) -> None:
+        self.metrics = None if self.decodes_only else CustomMetrics(self.pb, self.labels, GAUGES, COUNTERS)
+        super().setup()
+
+    def load(self) -> None:
+        self.takes_samples = AUDIO in {t["name"] for t in self.model_config["input"]}
+        self.engine = None if self.decodes_only else WhisperEngine(
+            self.folder, self.params.dtype, self.device, self.params.max_batch, self.params.encoder_batch,
+            self.params.cuda_graphs)
+
+    def batch_limit(self) -> int:
+        return super().batch_limit() if self.decodes_only else self.params.max_batch
+
+    def stepper(self) -> WhisperSteps | None:
+        return None if self.decodes_only else WhisperSteps(self)
+
+    def read(self, inputs: Inputs) -> list[Request]:
         if self.decodes_only:
-            return [Job(inputs.blob("audio", "encoded audio file"), None, "transcribe", None)]
+            return [Request(inputs.blob("audio", "encoded audio file"), None, "transcribe", None)]
         audio = self.samples(inputs) if self.takes_samples else inputs.blob("audio", "encoded audio file")
         language = inputs.text("language") or None  # "" or absent: detected
         self.engine.check_language(language)
@@ -60,7 +87,7 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
         max_tokens = inputs.scalar("max_tokens", int)
         if max_tokens is not None and max_tokens < 1:
             raise InvalidInput(f"max_tokens must be at least 1, got {max_tokens}")
-        return [Job(audio, language, task, max_tokens)]
+        return [Request(audio, language, task, max_tokens)]
 
     def samples(self, inputs: Inputs) -> np.ndarray:
         audio = inputs.array(AUDIO)
@@ -74,28 +101,37 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
             raise InvalidInput(f"{AUDIO} contains NaN or infinite samples")
         return audio
 
-    def prepare(self, job: Job) -> Job:
+    def prepare(self, job: Request) -> Request:
         audio = job.audio if isinstance(job.audio, np.ndarray) else decode_audio(job.audio, self.params.limits)
         job.audio, job.seconds = audio, len(audio) / SAMPLE_RATE
         if not self.decodes_only:
             job.chunks = split(audio)
         return job
 
-    def sizes(self, prepared: list[Job]) -> dict[str, float]:
+    def sizes(self, prepared: list[Request]) -> dict[str, float]:
         return {"audio_s": sum(job.seconds for job in prepared)}
 
-    def infer(self, batch: list[list[Job]]) -> list[list[int]] | list[np.ndarray]:
+    def infer(self, batch: list[list[Request]]) -> list[list[int]] | list[np.ndarray]:
         if self.decodes_only:
             return [job.audio for (job,) in batch]
-        clips = [(job, chunk) for (job,) in batch for chunk in job.chunks]
-        tokens: dict[int, list[list[int]]] = {id(job): [] for (job,) in batch}
-        for start in range(0, len(clips), self.params.max_batch):
-            part = clips[start:start + self.params.max_batch]
-            results = self.engine.transcribe([chunk for _, chunk in part], [job.language for job, _ in part],
-                                             [job.task for job, _ in part], [job.max_tokens for job, _ in part])
-            for (job, _), result in zip(part, results):
-                tokens[id(job)].append(result.tokens)
-        return [merge(tokens[id(job)]) for (job,) in batch]
+        clips = [clips_of(job) for (job,) in batch]
+        flat = [clip for request in clips for clip in request]
+        results = iter(self.engine.transcribe([c.audio for c in flat], [c.language for c in flat],
+                                              [c.task for c in flat], [c.budget for c in flat]))
+        return [merge([next(results).tokens for _ in request]) for request in clips]
+
+    def after_batch(self) -> None:
+        if self.metrics is not None:
+            engine = self.engine
+            self.metrics.update({"whisper_clips_running": len(engine.running) - engine.free_slots,
+                                 "whisper_clips_waiting": len(engine.waiting)},
+                                {"whisper_decode_steps_total": engine.steps, "whisper_decode_tokens_total": engine.fed,
+                                 "whisper_encoded_clips_total": engine.encoded})
+
+    def finalize(self) -> None:
+        super().finalize()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def respond(self, output: list[int] | np.ndarray):
         if self.decodes_only:
@@ -105,3 +141,73 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
         return self.pb.InferenceResponse([  # [1, ...]: each request is a batch of one
             self.pb.Tensor("text", np.array([[text.encode()]], dtype=np.object_)),
             self.pb.Tensor("tokens", np.array([tokens], dtype=np.int32).reshape(1, -1))])
+
+
+def clips_of(job: Request) -> list[Clip]:
+    return [Clip(chunk, job.language, job.task, job.max_tokens) for chunk in job.chunks]
+
+
+@dataclass(eq=False)
+class Running:
+    """A request in the continuous batch: its batcher job and its chunks' tokens as they finish."""
+
+    job: Job
+    tokens: list[list[int] | None]
+    answered: bool = False
+
+
+class WhisperSteps:
+    """The engine as our ContinuousBatcher's Stepper: a request's chunks run as clips; it is answered when its last
+    one is done (their tokens merged) or when one fails."""
+
+    def __init__(self, backend: TritonPythonModel):
+        self.backend = backend
+        self.failed: list[tuple[Job, Exception]] = []  # refused at admission, answered at the next step
+        self.held: list[Running] = []
+
+    @property
+    def engine(self) -> WhisperEngine:
+        return self.backend.engine
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.failed) or self.engine.has_work
+
+    def room(self) -> int:
+        return max(0, self.engine.free_slots - len(self.engine.waiting))
+
+    def admit(self, jobs: list[Job]) -> None:
+        self.backend.jobs_started()
+        for job in jobs:
+            (request,), fault = job.work
+            try:
+                inject(fault, "infer")
+                running, clips = Running(job, [None] * len(request.chunks)), clips_of(request)
+                for i, clip in enumerate(clips):
+                    clip.owner = (running, i)
+                    self.engine.check(clip)
+            except Exception as e:
+                self.failed.append((job, e))
+                continue
+            self.engine.waiting.extend(clips)
+            self.held.append(running)
+
+    def step(self) -> list[tuple[Job, Any]]:
+        finished, self.failed = self.failed, []
+        for clip in self.engine.step():
+            running, index = clip.owner
+            if running.answered:  # an earlier chunk of its request failed
+                continue
+            if clip.error is None:
+                running.tokens[index] = clip.tokens
+            if clip.error is not None or all(t is not None for t in running.tokens):
+                running.answered = True
+                finished.append((running.job, clip.error or merge(running.tokens)))
+        self.held = [r for r in self.held if not r.answered]
+        return finished
+
+    def abort(self) -> list[Job]:
+        self.engine.clear()
+        jobs = [job for job, _ in self.failed] + [r.job for r in self.held]
+        self.failed, self.held = [], []
+        return jobs

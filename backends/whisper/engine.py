@@ -1,31 +1,36 @@
-"""Batched greedy Whisper decoding with a static KV cache, on transformers' own modules and weights.
+"""Greedy Whisper decoding with continuous batching, on transformers' own modules and weights.
 
-One `transcribe` call runs the encoder over every clip of the batch at once, projects each decoder layer's
-cross-attention keys/values once, picks each clip's language when it was not given (the language token with the
-highest logit after <|startoftranscript|>, as transformers' detect_language), then prefills every clip's prompt
-(<|startoftranscript|> <|lang|> <|task|> <|notimestamps|>) in one step and decodes one token per clip per step.
-Every clip is at the same position, so the self-attention cache is one preallocated tensor per layer and no step
-needs a mask; a clip that produced <|endoftext|> keeps stepping with it and is dropped from the result. The
-checkpoint's suppress_tokens (every step) and begin_suppress_tokens (first step) are applied as transformers does,
-so tokens equal WhisperForConditionalGeneration.generate's greedy output.
+Clips are added at any time (`add`); each `step` first lets waiting clips into free decoder slots (their features
+and encoder run together, up to `encoder_batch` clips), then runs one decoder step over every slot in use
+(backends.whisper.decoder) and returns the clips that finished, so clips join and leave the running batch between
+steps. A clip feeds its prompt (<|startoftranscript|> <|lang|> <|task|> <|notimestamps|>) one token per step; when
+its language was not given it is picked after <|startoftranscript|> as transformers' detect_language does. The
+checkpoint's suppress_tokens (every step) and begin_suppress_tokens (first generated token) apply as in
+transformers, so tokens equal WhisperForConditionalGeneration.generate's greedy output. `transcribe` runs a list of
+clips to the end.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from backends.core.batcher import BatchingParams
 from backends.core.devices import DTYPES, resolve_device
 from backends.core.errors import InvalidInput
-from backends.core.batcher import BatchingParams
 from backends.core.params import bounded, choice, device
 from backends.media.audio import AudioLimits
+from backends.whisper.decoder import SlotDecoder
 from backends.whisper.features import LogMel
 
+log = logging.getLogger(__name__)
 TASKS = ("transcribe", "translate")
+PROMPT = 4  # <|startoftranscript|> <|lang|> <|task|> <|notimestamps|>
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,9 @@ class WhisperParams(BatchingParams):
 
     dtype: str = choice("fp32", *(d for d in DTYPES if d != "fp32"))
     device: str = device()
-    max_batch: int = bounded(32, 1)  # clips (30 s chunks) per engine call
+    max_batch: int = bounded(64, 1)  # decoder slots: clips (30 s chunks) decoded at once
+    encoder_batch: int = bounded(16, 1)  # clips that join per step (their encoder pass delays that step)
+    cuda_graphs: bool = True  # decoder steps replayed from CUDA graphs (GPU only)
     prepare_threads: int = bounded(4, 1, 256)  # audio decoding threads per instance
     max_audio_seconds: float = bounded(AudioLimits.max_seconds, 0, low_open=True)
     max_channels: int = bounded(AudioLimits.max_channels, 1)
@@ -52,8 +59,26 @@ class Transcription:
     language: str  # code, e.g. "en"
 
 
+@dataclass(eq=False)
+class Clip:
+    """One clip of at most 30 s through the decoder: what it asks for, where it is, what it produced."""
+
+    audio: np.ndarray  # 16 kHz mono samples
+    language: str | None  # None: detected
+    task: str
+    budget: int | None  # most tokens to generate; None: as many as the decoder's positions allow
+    owner: Any = None  # the caller's (e.g. its request)
+    language_id: int | None = None
+    slot: int = -1
+    position: int = 0  # of the token fed next
+    feed: list[int] = field(default_factory=list)  # prompt tokens still to feed; the next token fed is feed[0]
+    tokens: list[int] = field(default_factory=list)
+    error: Exception | None = None  # set when the clip failed
+
+
 class WhisperEngine:
-    def __init__(self, checkpoint: Path, dtype: str = "fp32", device: str = "auto"):
+    def __init__(self, checkpoint: Path, dtype: str = "fp32", device: str = "auto", slots: int = 64,
+                 encoder_batch: int = 16, cuda_graphs: bool = True):
         from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
         self.device, self.dtype = resolve_device(device), DTYPES[dtype]
@@ -61,87 +86,140 @@ class WhisperEngine:
         self.model.to(self.device).eval()
         self.features = LogMel(WhisperFeatureExtractor.from_pretrained(checkpoint))
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        config, gen = self.model.config, self.model.generation_config
+        gen = self.model.generation_config
         self.sot, self.eot = gen.decoder_start_token_id, gen.eos_token_id
         self.languages = {token[2:-2]: i for token, i in gen.lang_to_id.items()}  # "en" -> id
+        self.codes = {i: code for code, i in self.languages.items()}
         self.tasks = dict(gen.task_to_id)
         self.no_timestamps = gen.no_timestamps_token_id
-        self.suppress = torch.tensor(gen.suppress_tokens or [], dtype=torch.long, device=self.device)
-        self.begin_suppress = torch.tensor(gen.begin_suppress_tokens or [], dtype=torch.long, device=self.device)
-        self.language_ids = torch.tensor(sorted(self.languages.values()), device=self.device)
-        self.max_positions = config.max_target_positions
-        self.heads, self.head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+        self.max_new_tokens = self.model.config.max_target_positions - PROMPT
+        self.encoder_batch = encoder_batch
+        self.decoder = SlotDecoder(self.model, slots, cuda_graphs)
+        self.waiting: collections.deque[Clip] = collections.deque()
+        self.running: list[Clip | None] = [None] * slots  # by slot
+        self.steps = self.fed = self.encoded = 0  # decoder steps, tokens fed by them (clips x steps), clips encoded
 
     def check_language(self, language: str | None) -> None:
         if language is not None and language not in self.languages:
             raise InvalidInput(f"unknown language {language!r}; known: {', '.join(sorted(self.languages))}")
 
-    @torch.inference_mode()
+    # --- continuous batching ----------------------------------------------------------------------------------
+    def add(self, clip: Clip) -> None:
+        """Queue a clip; it joins the running batch at a coming step."""
+        self.check(clip)
+        self.waiting.append(clip)
+
+    def check(self, clip: Clip) -> None:
+        """Refuses what the clip asks for when it is wrong; caps its budget at what the decoder's positions allow."""
+        self.check_language(clip.language)
+        if clip.task not in TASKS:
+            raise InvalidInput(f"task must be one of {TASKS}, got {clip.task!r}")
+        if clip.budget is not None and clip.budget < 1:
+            raise InvalidInput(f"max_new_tokens must be at least 1, got {clip.budget}")
+        clip.budget = min(clip.budget or self.max_new_tokens, self.max_new_tokens)
+
+    @property
+    def free_slots(self) -> int:
+        return self.running.count(None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.free_slots < len(self.running)
+
+    def step(self) -> list[Clip]:
+        """Let waiting clips join, run one decoder step; the clips that finished (or failed: `error` set)."""
+        done = self._join()
+        used = [i for i, clip in enumerate(self.running) if clip is not None]
+        if not used:
+            return done
+        rows = self.running[:used[-1] + 1]
+        self.steps, self.fed = self.steps + 1, self.fed + len(used)
+        try:
+            choices = self.decoder.step([clip.feed[0] if clip else self.eot for clip in rows],
+                                        [clip.position if clip else 0 for clip in rows])
+        except Exception as e:  # the step's clips fail; the engine stays usable for the next ones
+            log.exception("whisper decoder step failed")
+            return done + [self._leave(clip, e) for clip in rows if clip is not None]
+        for clip, (language, token, first) in zip(rows, choices):
+            if clip is not None and self._advance(clip, language, first if clip.position == PROMPT - 1 else token):
+                done.append(self._leave(clip))
+        return done
+
+    def clear(self) -> list[Clip]:
+        """Drop every clip (waiting and running); returns them."""
+        clips = [*self.waiting, *(clip for clip in self.running if clip is not None)]
+        self.waiting.clear()
+        self.running = [None] * len(self.running)
+        return clips
+
+    def _join(self) -> list[Clip]:
+        """Waiting clips into free slots, up to encoder_batch: features and encoder in one call; clips that fail
+        here are returned with their error."""
+        free = [i for i, clip in enumerate(self.running) if clip is None]
+        clips = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting), self.encoder_batch))]
+        if not clips:
+            return []
+        try:
+            with torch.inference_mode():
+                features = self.features([clip.audio for clip in clips], self.device).to(self.dtype)
+                encoded = self.model.model.encoder(features).last_hidden_state
+            self.decoder.join(free[:len(clips)], encoded)
+            self.encoded += len(clips)
+        except Exception as e:
+            log.exception("whisper encoder failed on %d clips", len(clips))
+            for clip in clips:
+                clip.error = e
+            return clips
+        for slot, clip in zip(free, clips):
+            language = self.languages[clip.language] if clip.language else None
+            clip.slot, clip.position, clip.language_id, clip.tokens = slot, 0, language, []
+            clip.feed = [self.sot, *self._rest_of_prompt(clip)] if language is not None else [self.sot]
+            self.running[slot] = clip
+        return []
+
+    def _rest_of_prompt(self, clip: Clip) -> list[int]:
+        return [clip.language_id, self.tasks[clip.task], self.no_timestamps]
+
+    def _advance(self, clip: Clip, language: int, token: int) -> bool:
+        """The step's choices for this clip (`token`: the one its position calls for); True when it is done."""
+        clip.feed.pop(0)
+        clip.position += 1
+        if clip.language_id is None:  # it fed <|startoftranscript|>: its language is the likeliest language token
+            clip.language_id = language
+            clip.feed = self._rest_of_prompt(clip)
+        if clip.feed:  # still feeding its prompt
+            return False
+        if token == self.eot:
+            return True
+        clip.tokens.append(token)
+        clip.feed = [token]
+        return len(clip.tokens) >= clip.budget
+
+    def _leave(self, clip: Clip, error: Exception | None = None) -> Clip:
+        self.running[clip.slot] = None
+        clip.error = error
+        return clip
+
+    def result(self, clip: Clip) -> Transcription:
+        return Transcription(clip.tokens, self.tokenizer.decode(clip.tokens, skip_special_tokens=True),
+                             self.codes[clip.language_id])
+
+    # --- a batch to the end -----------------------------------------------------------------------------------
     def transcribe(self, audios: list[np.ndarray], languages: list[str | None], tasks: list[str],
                    max_new_tokens: list[int | None] | None = None) -> list[Transcription]:
         """16 kHz mono clips of at most 30 s -> one Transcription each (greedy; a clip ends at <|endoftext|> or
-        after its own max_new_tokens, default: as many as the decoder's positions allow)."""
-        for language, task in zip(languages, tasks):
-            self.check_language(language)
-            if task not in TASKS:
-                raise InvalidInput(f"task must be one of {TASKS}, got {task!r}")
-        limit = self.max_positions - 4
-        budgets = [min(n or limit, limit) for n in (max_new_tokens or [None] * len(audios))]
-        if min(budgets) < 1:
-            raise InvalidInput("max_new_tokens must be at least 1")
-        budget = torch.tensor(budgets, device=self.device)
-        features = self.features(audios, self.device).to(self.dtype)
-        encoded = self.model.model.encoder(features).last_hidden_state
-        cross = [self._heads(layer.encoder_attn.k_proj(encoded)) + self._heads(layer.encoder_attn.v_proj(encoded))
-                 for layer in self.model.model.decoder.layers]
-        batch = len(audios)
-        cache = [torch.empty(2, batch, self.heads, self.max_positions, self.head_dim, dtype=self.dtype,
-                             device=self.device) for _ in cross]
-        lang_ids = [self.languages[lang] if lang else None for lang in languages]
-        if any(i is None for i in lang_ids):
-            logits = self._step(torch.full((batch, 1), self.sot, device=self.device), 0, cache, cross)
-            detected = self.language_ids[logits[:, self.language_ids].argmax(-1)].tolist()
-            lang_ids = [i if i is not None else d for i, d in zip(lang_ids, detected)]
-        prompt = torch.tensor([[self.sot, lang, self.tasks[task], self.no_timestamps]
-                               for lang, task in zip(lang_ids, tasks)], device=self.device)
-        logits = self._step(prompt, 0, cache, cross)
-        steps = []
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        for step in range(max(budgets)):
-            logits[:, self.suppress] = -torch.inf
-            if step == 0:
-                logits[:, self.begin_suppress] = -torch.inf
-            token = torch.where(done, self.eot, logits.argmax(-1))
-            steps.append(token)
-            done |= (token == self.eot) | (budget == step + 1)
-            if bool(done.all()):
-                break
-            logits = self._step(token[:, None], prompt.shape[1] + step, cache, cross)
-        codes = {i: code for code, i in self.languages.items()}
-        results = []
-        for row, lang, n in zip(torch.stack(steps, dim=1).tolist(), lang_ids, budgets):
-            tokens = row[:row.index(self.eot)] if self.eot in row[:n] else row[:n]
-            results.append(Transcription(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True), codes[lang]))
-        return results
-
-    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        """[B, T, d_model] -> ([B, heads, T, head_dim],)"""
-        return (x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2),)
-
-    def _step(self, ids: torch.Tensor, start: int, cache: list[torch.Tensor], cross: list) -> torch.Tensor:
-        """Decoder over `ids` [B, T] at positions start..start+T-1 (the same for every row); logits of the last."""
-        decoder = self.model.model.decoder
-        end = start + ids.shape[1]
-        x = decoder.embed_tokens(ids) + decoder.embed_positions.weight[start:end]
-        for layer, kv, (cross_k, cross_v) in zip(decoder.layers, cache, cross):
-            h = layer.self_attn_layer_norm(x)
-            (q,), (k,), (v,) = (self._heads(proj(h)) for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                                   layer.self_attn.v_proj))
-            kv[0, :, :, start:end], kv[1, :, :, start:end] = k, v
-            attn = F.scaled_dot_product_attention(q, kv[0, :, :, :end], kv[1, :, :, :end], is_causal=end - start > 1)
-            x = x + layer.self_attn.out_proj(attn.transpose(1, 2).flatten(2))
-            (q,) = self._heads(layer.encoder_attn.q_proj(layer.encoder_attn_layer_norm(x)))
-            attn = F.scaled_dot_product_attention(q, cross_k, cross_v)
-            x = x + layer.encoder_attn.out_proj(attn.transpose(1, 2).flatten(2))
-            x = x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
-        return self.model.proj_out(decoder.layer_norm(x[:, -1])).float()
+        after its own max_new_tokens, default: as many as the decoder's positions allow). Runs the engine until
+        these clips are done (any clips added before are run too); raises the first clip's error."""
+        budgets = max_new_tokens or [None] * len(audios)
+        clips = [Clip(audio, language, task, n) for audio, language, task, n in zip(audios, languages, tasks, budgets)]
+        for clip in clips:
+            self.check(clip)
+        self.waiting.extend(clips)
+        pending = set(clips)
+        while pending:
+            for clip in self.step():
+                if clip.error is not None and clip in pending:
+                    self.clear()
+                    raise clip.error
+                pending.discard(clip)
+        return [self.result(clip) for clip in clips]

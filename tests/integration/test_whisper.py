@@ -1,20 +1,22 @@
 """The served `whisper` against WhisperForConditionalGeneration.generate on the same tiny checkpoint: concurrent
-requests of different lengths (batched by Triton's dynamic batcher), WAV/FLAC/OGG, a 3-minute clip through the
+requests of different lengths (sharing the engine's decoder steps: continuous batching), WAV/FLAC/OGG, a 3-minute clip through the
 chunked path, the client CLI, and bad audio refused with the reason while the server keeps serving."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import soundfile as sf
-import tritonclient.http as httpclient
 
 from backends.media.audio import decode_audio
+from backends.mm_whisper.model import COUNTERS
 from backends.whisper.chunking import merge, split
 from client.sdk import Client
 from tests.conftest import wav
 from tests.integration.reference import whisper_tokens
+from tests.integration.test_llm import metric
 
 RNG = np.random.default_rng(5)
 
@@ -33,15 +35,22 @@ def test_concurrent_requests_equal_transformers(server, reference):
         with Client(server.http_url) as client:  # one HTTP client per thread: they are not thread-safe
             return client.transcribe(wav(ask[0], subtype="FLOAT"), *ask[1:])
 
+    before = {name: metric(server, name, "whisper") for name in COUNTERS}
     with ThreadPoolExecutor(len(asks)) as pool:
         served = list(pool.map(one, asks))
     for (clip, language, task, budget), (text, tokens) in zip(asks, served):
         assert tokens == reference(clip, language, task, budget)
         assert text and len(tokens) <= budget
-    triton = httpclient.InferenceServerClient(server.http_url)
-    stats = triton.get_inference_statistics("whisper")["model_stats"][0]
-    triton.close()
-    assert int(stats["execution_count"]) < int(stats["inference_count"])  # some requests ran in one batch
+    deadline = time.monotonic() + 10  # the metrics follow the responses
+    while metric(server, "whisper_encoded_clips_total", "whisper") - before["whisper_encoded_clips_total"] < len(
+            asks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done = {name: metric(server, name, "whisper") - before[name] for name in COUNTERS}
+    assert done["whisper_encoded_clips_total"] == len(asks)
+    # every clip fed its 4 prompt tokens and its tokens but the last, and clips shared decoder steps (continuous
+    # batching)
+    assert done["whisper_decode_tokens_total"] >= sum(3 + len(tokens) for _, tokens in served)
+    assert done["whisper_decode_tokens_total"] > 1.5 * done["whisper_decode_steps_total"]
 
 
 @pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_24"), ("OGG", "VORBIS")])

@@ -1,12 +1,16 @@
 """Our batcher: the adaptive window's rule, QoS order of waiting requests, one class per batch, full batches leave at
-once, a window that gathers, refusals at close and after a timeout, and a failing run answered for every job."""
+once, a window that gathers, refusals at close and after a timeout, and a failing run answered for every job. The
+continuous batcher: requests join a busy engine between steps as it has room, in QoS order; failures and close
+answer every request it holds."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from backends.core.batcher import Batcher, BatchWindow, Job
+import time
+
+from backends.core.batcher import Batcher, BatchWindow, ContinuousBatcher, Job
 from backends.core.errors import Unavailable
 from backends.core.qos import QosParams, QosPolicy
 
@@ -194,3 +198,88 @@ def test_setup_runs_on_the_batcher_thread_and_its_failure_raises_at_construction
         raise RuntimeError("no weights")
     with pytest.raises(RuntimeError, match="no weights"):
         Batcher(Recorder(), max_batch=1, window=BatchWindow("adaptive", 0.015), setup=broken)
+
+
+class StepCounter:
+    """A Stepper: each job's work is (name, steps it needs); `slots` jobs at a time; records when each job joined and
+    left (in steps), optionally failing at a given step."""
+
+    def __init__(self, slots: int, step_s: float = 0.002, fail_at: int | None = None):
+        self.slots, self.step_s, self.fail_at = slots, step_s, fail_at
+        self.held: dict[Job, int] = {}  # job -> steps left
+        self.steps = 0
+        self.joined: dict[str, int] = {}
+        self.left: dict[str, int] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    def room(self) -> int:
+        return self.slots - len(self.held)
+
+    def admit(self, jobs: list[Job]) -> None:
+        assert len(jobs) <= self.room()
+        for job in jobs:
+            self.held[job] = job.work[1]
+            self.joined[job.work[0]] = self.steps
+
+    def step(self) -> list:
+        self.steps += 1
+        time.sleep(self.step_s)
+        if self.steps == self.fail_at:
+            raise RuntimeError("step broke")
+        for job in self.held:
+            self.held[job] -= 1
+        done = [job for job, left in self.held.items() if left == 0]
+        for job in done:
+            del self.held[job]
+            self.left[job.work[0]] = self.steps
+        return [(job, f"out-{job.work[0]}") for job in done]
+
+    def abort(self) -> list[Job]:
+        jobs, self.held = list(self.held), {}
+        return jobs
+
+
+def test_continuous_batcher_lets_requests_join_a_busy_engine_in_qos_order():
+    policy = QosPolicy(QosParams())
+    engine = StepCounter(slots=2)
+    batcher = ContinuousBatcher(engine, BatchWindow("adaptive", 0.015))
+    long, long_done, _ = make_job(policy, ("long", 200))
+    batcher.put(long)
+    deadline = time.monotonic() + 5
+    while engine.steps < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    short, short_done, short_result = make_job(policy, ("short", 5))
+    batcher.put(short)
+    assert short_done.wait(5) and short_result["output"] == "out-short"
+    assert not long_done.is_set()  # the short one joined the running batch and left it first
+    assert engine.joined["short"] > engine.joined["long"] and engine.left["short"] < 200
+    while len(engine.held) < 2 and not long_done.is_set():  # refill the free slot, then queue two while full
+        batcher.put(make_job(policy, ("filler", 30))[0])
+        time.sleep(0.05)
+    low, low_done, _ = make_job(policy, ("low", 1), "low")
+    high, high_done, _ = make_job(policy, ("high", 1), "high")
+    batcher.put(low)
+    batcher.put(high)
+    assert low_done.wait(5) and high_done.wait(5) and long_done.wait(5)
+    batcher.close()
+    assert engine.joined["high"] <= engine.joined["low"]  # the free slot went to the higher class first
+    assert engine.left["long"] == 200
+
+
+def test_continuous_batcher_answers_every_held_request_on_a_failed_step_and_at_close():
+    policy = QosPolicy(QosParams())
+    batcher = ContinuousBatcher(StepCounter(slots=4, fail_at=3), BatchWindow("fixed", 0.2))
+    jobs = [make_job(policy, (i, 10)) for i in range(2)]
+    for job, _, _ in jobs:
+        batcher.put(job)
+    assert all(answered.wait(5) for _, answered, _ in jobs)
+    assert all(isinstance(result["output"], RuntimeError) for _, _, result in jobs)
+    held, held_done, held_result = make_job(policy, ("held", 10 ** 6))  # still running when the model unloads
+    batcher.put(held)
+    time.sleep(0.05)
+    batcher.close()
+    assert held_done.is_set() and isinstance(held_result["output"], Unavailable)
+    assert all(s.queued == 0 for s in policy.admission.snapshot().values())

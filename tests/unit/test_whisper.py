@@ -1,6 +1,7 @@
 """The whisper engine's greedy tokens against WhisperForConditionalGeneration.generate on the same tiny checkpoint
 (one batch of clips of different lengths, languages given or detected, both tasks, different token budgets, 80 and
-128 mel bins), and the long-audio chunk layout and merge."""
+128 mel bins; clips joining and leaving a running batch at different steps, slots reused), and the long-audio chunk
+layout and merge."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from backends.core.errors import InvalidInput
 from backends.whisper.chunking import merge, split
-from backends.whisper.engine import WhisperEngine
+from backends.whisper.engine import Clip, WhisperEngine
 from build_engines.checkpoints import tiny_whisper
 
 RNG = np.random.default_rng(11)
@@ -45,6 +46,37 @@ def test_batched_greedy_tokens_equal_transformers_generate(checkpoints, mels):
                                                                                        skip_special_tokens=True)
         assert language is None or result.language == language
     assert len({tuple(r.tokens) for r in results}) > 1  # the audio changes the answer
+
+
+def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whisper_checkpoint):
+    from transformers import WhisperForConditionalGeneration
+
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=3, encoder_batch=2)
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    # (added before step, seconds, language, task, budget): more clips than slots, added while others run
+    plan = [(0, 3.0, "en", "transcribe", 12), (0, 20.0, None, "transcribe", 30), (0, 8.0, "de", "translate", 5),
+            (2, 1.0, "en", "transcribe", 20), (6, 29.0, None, "translate", 8), (6, 5.0, "fr", "transcribe", 3),
+            (15, 11.0, "en", "transcribe", 25)]
+    clips = [Clip(RNG.normal(0, 0.05 * (i + 1), int(16000 * s)).astype(np.float32), lang, task, budget)
+             for i, (_, s, lang, task, budget) in enumerate(plan)]
+    finished, slots, spreads, step = [], {}, [], 0
+    while len(finished) < len(clips):
+        for clip, (at, *_) in zip(clips, plan):
+            if at == step:
+                engine.add(clip)
+        finished += engine.step()
+        running = [c for c in engine.running if c is not None]
+        spreads.append(len({c.position for c in running}))
+        for c in running:
+            slots.setdefault(c.slot, set()).add(id(c))
+        step += 1
+    assert all(c.error is None for c in finished) and set(finished) == set(clips)
+    for clip in clips:
+        expected = reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
+        assert engine.result(clip).tokens == expected
+    assert max(spreads) >= 3  # clips at three different positions shared a step
+    assert max(len(owners) for owners in slots.values()) >= 2  # a slot freed by one clip served another
+    assert not engine.has_work and engine.free_slots == 3
 
 
 def test_unknown_language_and_task_are_refused(whisper_checkpoint):

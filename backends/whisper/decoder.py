@@ -1,0 +1,87 @@
+"""Whisper's decoder over a fixed set of slots, one token per slot per step, each slot at its own position: what
+lets clips join and leave a running batch between steps (continuous batching).
+
+Every slot owns a row of preallocated caches: the cross-attention keys/values of its clip's encoder output, written
+once when the clip joins, and the self-attention keys/values of the tokens it fed so far. A step runs rows 0..n-1
+(n: one past the highest slot in use; free slots below it compute garbage in their own rows, which nobody reads and
+the next clip there overwrites from position 0). Self-attention covers all `max_positions` cache entries under a mask
+of the slot's own positions, so every step has the same shapes and can be replayed from a CUDA graph per power of
+two rows (backends.core.cuda_graphs). The step returns three greedy choices per row, so only 3 integers per row
+cross back to the host: the language token (detect_language's rule: the highest logit among language tokens, before
+suppression), the next token under suppress_tokens, and the same for the first generated token, when
+begin_suppress_tokens apply too.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backends.core.cuda_graphs import try_graphs
+
+
+class SlotDecoder:
+    def __init__(self, model, slots: int, graphs: bool):
+        """`model`: a WhisperForConditionalGeneration (eval, on its device and dtype)."""
+        config, gen = model.config, model.generation_config
+        self.model, self.decoder, self.slots = model, model.model.decoder, slots
+        self.heads, self.head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+        self.max_positions = config.max_target_positions
+        device, dtype = model.device, model.dtype
+        self.device = device
+        frames = config.max_source_positions
+        layers = len(self.decoder.layers)
+        # zeros, not empty: masked entries still enter attention's weighted sum (as 0 x value), so no NaN may sit there
+        self.self_kv = [torch.zeros(2, slots, self.heads, self.max_positions, self.head_dim, dtype=dtype, device=device)
+                        for _ in range(layers)]
+        self.cross_kv = [torch.zeros(2, slots, self.heads, frames, self.head_dim, dtype=dtype, device=device)
+                         for _ in range(layers)]
+        self.suppress = torch.tensor(gen.suppress_tokens or [], dtype=torch.long, device=device)
+        self.begin_suppress = torch.tensor(gen.begin_suppress_tokens or [], dtype=torch.long, device=device)
+        self.language_ids = torch.tensor(sorted(gen.lang_to_id.values()), device=device)
+        self.positions = torch.arange(self.max_positions, device=device)
+        self.graphs = try_graphs(self._step, [(), ()], [torch.long, torch.long], device, slots) \
+            if graphs and device.type == "cuda" else None
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d_model] -> [B, heads, T, head_dim]"""
+        return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
+
+    @torch.inference_mode()
+    def join(self, slots: list[int], encoded: torch.Tensor) -> None:
+        """Clips' encoder outputs [len(slots), frames, d_model] into their slots' cross-attention caches."""
+        index = torch.tensor(slots, device=self.device)
+        for layer, kv in zip(self.decoder.layers, self.cross_kv):
+            kv[0].index_copy_(0, index, self._heads(layer.encoder_attn.k_proj(encoded)))
+            kv[1].index_copy_(0, index, self._heads(layer.encoder_attn.v_proj(encoded)))
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int], positions: list[int]) -> list[list[int]]:
+        """Feed `tokens[i]` at `positions[i]` to slot i (i < len(tokens)); per row [language, next, first next]."""
+        ids = torch.tensor(tokens, device=self.device)
+        at = torch.tensor(positions, device=self.device)
+        (choices,) = self.graphs(ids, at) if self.graphs else (self._step(ids, at),)
+        return choices.T.tolist()
+
+    def _step(self, ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """ids, at: [rows] -> [3, rows] greedy choices (see the module's docstring)."""
+        rows = ids.shape[0]
+        index = torch.arange(rows, device=ids.device)
+        mask = (self.positions <= at[:, None])[:, None, None, :]  # [rows, 1, 1, max_positions]
+        x = (self.decoder.embed_tokens(ids) + self.decoder.embed_positions.weight[at])[:, None]  # [rows, 1, d]
+        for layer, kv, cross in zip(self.decoder.layers, self.self_kv, self.cross_kv):
+            h = layer.self_attn_layer_norm(x)
+            q, k, v = (self._heads(proj(h)) for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                         layer.self_attn.v_proj))
+            keys, values = kv[0, :rows], kv[1, :rows]
+            keys[index, :, at], values[index, :, at] = k[:, :, 0], v[:, :, 0]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            x = x + layer.self_attn.out_proj(attn.transpose(1, 2).flatten(2))
+            q = self._heads(layer.encoder_attn.q_proj(layer.encoder_attn_layer_norm(x)))
+            attn = F.scaled_dot_product_attention(q, cross[0, :rows], cross[1, :rows])
+            x = x + layer.encoder_attn.out_proj(attn.transpose(1, 2).flatten(2))
+            x = x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
+        logits = self.model.proj_out(self.decoder.layer_norm(x[:, 0])).float()
+        language = self.language_ids[logits[:, self.language_ids].argmax(-1)]
+        logits = logits.index_fill(-1, self.suppress, -torch.inf)
+        first = logits.index_fill(-1, self.begin_suppress, -torch.inf).argmax(-1)
+        return torch.stack([language, logits.argmax(-1), first])

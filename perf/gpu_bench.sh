@@ -154,6 +154,7 @@ if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
   else  # Whisper large-v3 shapes (32 + 32 layers x 1280, 128 mel bins), random fp16 weights
     "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
   fi
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_whisper.py
   "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" whisper_window "* ]]; then

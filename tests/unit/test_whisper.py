@@ -48,16 +48,11 @@ def test_batched_greedy_tokens_equal_transformers_generate(checkpoints, mels):
     assert len({tuple(r.tokens) for r in results}) > 1  # the audio changes the answer
 
 
-def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whisper_checkpoint):
-    from transformers import WhisperForConditionalGeneration
-
-    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=3, encoder_batch=2)
-    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
-    # (added before step, seconds, language, task, budget): more clips than slots, added while others run
-    plan = [(0, 3.0, "en", "transcribe", 12), (0, 20.0, None, "transcribe", 30), (0, 8.0, "de", "translate", 5),
-            (2, 1.0, "en", "transcribe", 20), (6, 29.0, None, "translate", 8), (6, 5.0, "fr", "transcribe", 3),
-            (15, 11.0, "en", "transcribe", 25)]
-    clips = [Clip(RNG.normal(0, 0.05 * (i + 1), int(16000 * s)).astype(np.float32), lang, task, budget)
+def run_plan(engine: WhisperEngine, plan: list[tuple[int, float, str | None, str, int]]) -> tuple[list[Clip], dict]:
+    """Adds the planned clips (added before step, seconds, language, task, budget) as the engine steps, to the end;
+    the clips and how they shared the batch (the most distinct positions in one step, the most clips in one slot)."""
+    rng = np.random.default_rng(3)
+    clips = [Clip(rng.normal(0, 0.05 * (i + 1), int(16000 * s)).astype(np.float32), lang, task, budget)
              for i, (_, s, lang, task, budget) in enumerate(plan)]
     finished, slots, spreads, step = [], {}, [], 0
     while len(finished) < len(clips):
@@ -71,12 +66,42 @@ def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whis
             slots.setdefault(c.slot, set()).add(id(c))
         step += 1
     assert all(c.error is None for c in finished) and set(finished) == set(clips)
+    return clips, {"positions": max(spreads), "clips_per_slot": max(len(owners) for owners in slots.values())}
+
+
+# more clips than slots, added while others run
+PLAN = [(0, 3.0, "en", "transcribe", 12), (0, 20.0, None, "transcribe", 30), (0, 8.0, "de", "translate", 5),
+        (2, 1.0, "en", "transcribe", 20), (6, 29.0, None, "translate", 8), (6, 5.0, "fr", "transcribe", 3),
+        (15, 11.0, "en", "transcribe", 25)]
+
+
+def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whisper_checkpoint):
+    from transformers import WhisperForConditionalGeneration
+
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=3, encoder_batch=2)
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    clips, sharing = run_plan(engine, PLAN)
     for clip in clips:
         expected = reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
         assert engine.result(clip).tokens == expected
-    assert max(spreads) >= 3  # clips at three different positions shared a step
-    assert max(len(owners) for owners in slots.values()) >= 2  # a slot freed by one clip served another
+    assert sharing["positions"] >= 3  # clips at three different positions shared a step
+    assert sharing["clips_per_slot"] >= 2  # a slot freed by one clip served another
     assert not engine.has_work and engine.free_slots == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
+def test_cuda_graph_steps_keep_transformers_tokens(whisper_checkpoint):
+    from transformers import WhisperForConditionalGeneration
+
+    graphed = WhisperEngine(whisper_checkpoint, "fp32", "cuda", slots=3, encoder_batch=2)
+    eager = WhisperEngine(whisper_checkpoint, "fp32", "cuda", slots=3, encoder_batch=2, cuda_graphs=False)
+    assert graphed.decoder.graphs is not None and eager.decoder.graphs is None
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).cuda().eval()
+    clips, _ = run_plan(graphed, PLAN)
+    eager_clips, _ = run_plan(eager, PLAN)
+    for clip, eager_clip in zip(clips, eager_clips):
+        assert clip.tokens == eager_clip.tokens
+        assert clip.tokens == reference_tokens(model, graphed, clip.audio, clip.language, clip.task, clip.budget)
 
 
 def test_unknown_language_and_task_are_refused(whisper_checkpoint):

@@ -60,10 +60,10 @@ class SlotDecoder:
         ids = torch.tensor(tokens, device=self.device)
         at = torch.tensor(positions, device=self.device)
         (choices,) = self.graphs(ids, at) if self.graphs else (self._step(ids, at),)
-        return choices.T.tolist()
+        return choices.tolist()
 
     def _step(self, ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """ids, at: [rows] -> [3, rows] greedy choices (see the module's docstring)."""
+        """ids, at: [rows] -> [rows, 3] greedy choices (see the module's docstring)."""
         rows = ids.shape[0]
         index = torch.arange(rows, device=ids.device)
         mask = (self.positions <= at[:, None])[:, None, None, :]  # [rows, 1, 1, max_positions]
@@ -84,4 +84,4 @@ class SlotDecoder:
         language = self.language_ids[logits[:, self.language_ids].argmax(-1)]
         logits = logits.index_fill(-1, self.suppress, -torch.inf)
         first = logits.index_fill(-1, self.begin_suppress, -torch.inf).argmax(-1)
-        return torch.stack([language, logits.argmax(-1), first])
+        return torch.stack([language, logits.argmax(-1), first], dim=1)

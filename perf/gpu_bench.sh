@@ -8,7 +8,8 @@
 #   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
 #   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
 #   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
-#   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16;
+#   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16, and where
+#   the engine's steps spend their time (perf.whisper_steps);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
 #   "sam": encoder and decoder requests/s vs concurrency of the served sam, ViT-H shapes, random bf16;
 #   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
@@ -156,6 +157,8 @@ if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
   fi
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_whisper.py
   "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
+  [ "${TINY:-0}" = 1 ] || "$py" -m perf.whisper_steps --version-dir model_repository/whisper/1 --results "$results" \
+    --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" whisper_window "* ]]; then
   "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda

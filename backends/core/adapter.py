@@ -270,18 +270,14 @@ class BatchedBackend(TritonBackend[P]):
 
     def _run_jobs(self, batch: list[Job]) -> list[Any]:
         """On the batcher thread: one engine call for the batch (failures isolated per request)."""
-        self.jobs_started()
-        outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
-                                       {i: job.work[1] for i, job in enumerate(batch)})
-        return [outputs[i] for i in range(len(batch))]
-
-    def jobs_started(self) -> None:
-        """On the batcher thread, as requests start in the engine."""
-        self.pool.kick()  # room for more ahead of the engine
+        self.pool.kick()  # the batch's requests have started: room for more ahead of the engine
         try:
             self._update_qos_metrics()  # clients see a request start (qos_admitted_total) before it ends
         except Exception:  # metrics never fail requests
             log.exception("%s: updating the QoS metrics failed", self.name)
+        outputs = self._infer_isolated({i: job.work[0] for i, job in enumerate(batch)},
+                                       {i: job.work[1] for i, job in enumerate(batch)})
+        return [outputs[i] for i in range(len(batch))]
 
     def _update_qos_metrics(self) -> None:
         admission = self.qos.admission

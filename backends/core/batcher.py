@@ -239,12 +239,16 @@ class Stepper(Protocol):
 class ContinuousBatcher(Batcher):
     """A thread that runs `setup()`, then steps `engine` while it is busy; between steps, waiting jobs join it in QoS
     order up to its room (any class: a continuous batch has no lockstep). When it is idle the window applies, as in
-    Batcher. `after()` runs after each step that answered jobs."""
+    Batcher. `after()` (metrics) runs once jobs joined or left, at most every AFTER_EVERY_S while the engine is busy
+    (each metric update is a round trip to the server) and at once when it goes idle."""
+
+    AFTER_EVERY_S = 0.05
 
     def __init__(self, engine: Stepper, window: BatchWindow, name: str = "batcher",
                  setup: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None,
                  heartbeat: Heartbeat | None = None):
         self.engine = engine
+        self._changed, self._after_at = False, 0.0  # jobs joined or left since `after` last ran; when it did
         super().__init__(lambda batch: [], 0, window, name, setup, after, heartbeat)
 
     def _loop(self) -> None:
@@ -269,7 +273,9 @@ class ContinuousBatcher(Batcher):
         for job, output in finished:
             answer(job, output)
             self.window.finished(now - job.ticket.arrival)
-        if finished:
+        self._changed = self._changed or bool(jobs or finished)
+        if self._changed and (not self.engine.busy or now - self._after_at >= self.AFTER_EVERY_S):
+            self._changed, self._after_at = False, now
             try:
                 self._after()
             except Exception:

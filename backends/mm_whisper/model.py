@@ -177,7 +177,7 @@ class WhisperSteps:
         return max(0, self.engine.free_slots - len(self.engine.waiting))
 
     def admit(self, jobs: list[Job]) -> None:
-        self.backend.jobs_started()
+        self.backend.pool.kick()  # room for more ahead of the engine (the QoS metrics follow with the batcher's after)
         for job in jobs:
             (request,), fault = job.work
             try:

@@ -1,0 +1,113 @@
+"""Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows (op by
+op and from CUDA graphs), clips joining (features + encoder + cross-attention keys/values) 1, 4 or 16 at a time, and
+the engine's loop with every slot busy split into joins, decoder steps and the rest (host work between steps).
+Milliseconds, the device synchronised after each part.
+
+    python -m perf.whisper_steps --version-dir model_repository/whisper/1 [--dtype fp16] [--results perf/results]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.whisper.decoder import SlotDecoder
+from backends.whisper.engine import Clip, WhisperEngine
+from perf.encoder_stages import timed
+from perf.report import hardware_line, write_table
+from perf.whisper_bench import CLIPS
+
+ROWS = (1, 8, 16, 32, 64)
+
+
+class Timer:
+    """Wraps a callable: the time spent in it (the device synchronised on return)."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls = fn, 0.0, 0
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        out = self.fn(*args)
+        torch.cuda.synchronize()
+        self.seconds, self.calls = self.seconds + time.perf_counter() - start, self.calls + 1
+        return out
+
+
+def loop_shares(engine: WhisperEngine, steps: int) -> dict[str, float]:
+    """A closed loop keeping every slot busy (the bench's clips, a finished clip replaced by the next): ms per
+    decoder step of joins, steps and the rest."""
+    rng = np.random.default_rng(0)
+    cycle = itertools.cycle(CLIPS)
+
+    def add() -> None:
+        seconds, tokens = next(cycle)
+        engine.add(Clip(rng.normal(0, 0.1, int(16000 * seconds)).astype(np.float32), "en", "transcribe", tokens))
+    for _ in range(len(engine.running)):
+        add()
+    join, step = Timer(engine._join), Timer(engine.decoder.step)
+    engine._join, engine.decoder.step = join, step
+    for _ in range(steps // 4):  # warm-up: the slots fill and the first clips finish
+        for _ in engine.step():
+            add()
+    join.seconds = step.seconds = 0.0
+    start, before = time.perf_counter(), engine.fed
+    for _ in range(steps):
+        for _ in engine.step():
+            add()
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    rows = (engine.fed - before) / steps
+    return {"joins": 1e3 * join.seconds / steps, "decoder steps": 1e3 * step.seconds / steps,
+            "host, the rest": 1e3 * (total - join.seconds - step.seconds) / steps, "whole step": 1e3 * total / steps,
+            "mean rows": rows, "tokens/s": rows * steps / total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version-dir", type=Path, required=True, help="the whisper engine's version folder")
+    parser.add_argument("--dtype", default="fp16")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--loop-steps", type=int, default=400)
+    parser.add_argument("--results", type=Path, default=Path("perf/results"))
+    parser.add_argument("--host", default="gpu")
+    args = parser.parse_args(argv)
+    engine = WhisperEngine(args.version_dir, args.dtype, "cuda", slots=max(ROWS))
+    eager = SlotDecoder(engine.model, max(ROWS), graphs=False)
+    frames, width = engine.model.config.max_source_positions, engine.model.config.d_model
+    encoded = torch.randn(max(ROWS), frames, width, dtype=engine.dtype, device=engine.device)
+    engine.decoder.join(list(range(max(ROWS))), encoded)
+    eager.join(list(range(max(ROWS))), encoded)
+    table = []
+    for rows in ROWS:
+        tokens, positions = [engine.sot] * rows, [40] * rows
+        op_by_op, _ = timed(lambda: eager.step(tokens, positions), args.repeats)
+        graphed, _ = timed(lambda: engine.decoder.step(tokens, positions), args.repeats)
+        table.append([f"decoder step, {rows} rows", op_by_op, graphed])
+    del eager
+    audio = [np.random.default_rng(i).normal(0, 0.1, 16000 * 28).astype(np.float32) for i in range(16)]
+    for clips in (1, 4, 16):
+        def join() -> None:
+            for a in audio[:clips]:
+                engine.add(Clip(a, "en", "transcribe", 1))
+            engine._join()
+            engine.clear()
+        join_ms, _ = timed(join, max(3, args.repeats // 4))
+        table.append([f"{clips} clips join (features, encoder, cross K/V)", "-", join_ms])
+    shares = loop_shares(engine, args.loop_steps)
+    table += [[f"loop with {max(ROWS)} clips in flight: {name}", "-", value] for name, value in shares.items()]
+    notes = [f"Engine: {args.version_dir} in {args.dtype}; decoder steps over all {max(ROWS)} slots' caches with "
+             "random encoder states; joins of 28 s clips; the loop keeps every slot busy with the bench's clips "
+             "(perf.whisper_bench.CLIPS) and splits each step's time (ms per step; `mean rows`: clips per step; "
+             "`tokens/s`: tokens fed per second)."]
+    print(write_table(args.results / args.host, "whisper-steps", ["part", "op by op ms", "CUDA graphs ms"], table,
+                      hardware_line("-"), notes), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,8 @@
 """Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows (op by
 op and from CUDA graphs), clips joining (features + encoder + cross-attention keys/values) 1, 4 or 16 at a time, and
 the engine's loop with every slot busy split into joins, decoder steps and the rest (host work between steps).
-Milliseconds, the device synchronised after each part.
+Milliseconds, the device synchronised after each part (so in the loop the encoders of joining clips do not overlap
+the decoder steps as they do in the engine's own loop: see `whole step, unsynchronised`).
 
     python -m perf.whisper_steps --version-dir model_repository/whisper/1 [--dtype fp16] [--results perf/results]
 """
@@ -42,29 +43,36 @@ def loop_shares(engine: WhisperEngine, steps: int) -> dict[str, float]:
     """A closed loop keeping every slot busy (the bench's clips, a finished clip replaced by the next): ms per
     decoder step of joins, steps and the rest."""
     rng = np.random.default_rng(0)
-    cycle = itertools.cycle(CLIPS)
+    cycle = itertools.cycle([(rng.normal(0, 0.1, int(16000 * seconds)).astype(np.float32), tokens)
+                             for seconds, tokens in CLIPS])
 
     def add() -> None:
-        seconds, tokens = next(cycle)
-        engine.add(Clip(rng.normal(0, 0.1, int(16000 * seconds)).astype(np.float32), "en", "transcribe", tokens))
+        audio, tokens = next(cycle)
+        engine.add(Clip(audio, "en", "transcribe", tokens))
     for _ in range(len(engine.running)):
         add()
-    join, step = Timer(engine._join), Timer(engine.decoder.step)
-    engine._join, engine.decoder.step = join, step
+
+    def run() -> tuple[float, float]:
+        """(seconds, tokens fed) of `steps` steps."""
+        start, before = time.perf_counter(), engine.fed
+        for _ in range(steps):
+            for _ in engine.step():
+                add()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, engine.fed - before
+
     for _ in range(steps // 4):  # warm-up: the slots fill and the first clips finish
         for _ in engine.step():
             add()
-    join.seconds = step.seconds = 0.0
-    start, before = time.perf_counter(), engine.fed
-    for _ in range(steps):
-        for _ in engine.step():
-            add()
-    torch.cuda.synchronize()
-    total = time.perf_counter() - start
-    rows = (engine.fed - before) / steps
+    overlapped, overlapped_fed = run()
+    join, step = Timer(engine._join), Timer(engine.decoder.step)
+    engine._join, engine.decoder.step = join, step
+    total, fed = run()
     return {"joins": 1e3 * join.seconds / steps, "decoder steps": 1e3 * step.seconds / steps,
             "host, the rest": 1e3 * (total - join.seconds - step.seconds) / steps, "whole step": 1e3 * total / steps,
-            "mean rows": rows, "tokens/s": rows * steps / total}
+            "mean rows": fed / steps, "tokens/s": fed / total,
+            "whole step, unsynchronised": 1e3 * overlapped / steps,
+            "tokens/s, unsynchronised": overlapped_fed / overlapped}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ class Clip:
     position: int = 0  # of the token fed next
     feed: list[int] = field(default_factory=list)  # prompt tokens still to feed; the next token fed is feed[0]
     tokens: list[int] = field(default_factory=list)
+    joined: bool = False  # its encoder output is in its slot: it decodes
     error: Exception | None = None  # set when the clip failed
 
 
@@ -96,7 +98,9 @@ class WhisperEngine:
         self.encoder_batch = encoder_batch
         self.decoder = SlotDecoder(self.model, slots, cuda_graphs)
         self.waiting: collections.deque[Clip] = collections.deque()
-        self.running: list[Clip | None] = [None] * slots  # by slot
+        self.running: list[Clip | None] = [None] * slots  # by slot, clips still joining too
+        self.join_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.joining: list[tuple[torch.cuda.Event, list[Clip]]] = []  # encoders in flight on join_stream
         self.steps = self.fed = self.encoded = 0  # decoder steps, tokens fed by them (clips x steps), clips encoded
 
     def check_language(self, language: str | None) -> None:
@@ -127,12 +131,14 @@ class WhisperEngine:
         return bool(self.waiting) or self.free_slots < len(self.running)
 
     def step(self) -> list[Clip]:
-        """Let waiting clips join, run one decoder step; the clips that finished (or failed: `error` set)."""
+        """Let waiting clips start joining, run one decoder step over the clips that have joined; the clips that
+        finished (or failed: `error` set)."""
         done = self._join()
-        used = [i for i, clip in enumerate(self.running) if clip is not None]
+        self._joined()
+        used = [i for i, clip in enumerate(self.running) if clip is not None and clip.joined]
         if not used:
             return done
-        rows = self.running[:used[-1] + 1]
+        rows = [clip if clip is not None and clip.joined else None for clip in self.running[:used[-1] + 1]]
         self.steps, self.fed = self.steps + 1, self.fed + len(used)
         try:
             choices = self.decoder.step([clip.feed[0] if clip else self.eot for clip in rows],
@@ -147,23 +153,28 @@ class WhisperEngine:
 
     def clear(self) -> list[Clip]:
         """Drop every clip (waiting and running); returns them."""
+        if self.join_stream is not None:
+            self.join_stream.synchronize()  # no encoder still writing into a slot a later clip gets
         clips = [*self.waiting, *(clip for clip in self.running if clip is not None)]
         self.waiting.clear()
-        self.running = [None] * len(self.running)
+        self.running, self.joining = [None] * len(self.running), []
         return clips
 
     def _join(self) -> list[Clip]:
-        """Waiting clips into free slots, up to encoder_batch: features and encoder in one call; clips that fail
-        here are returned with their error."""
+        """Waiting clips into free slots, up to encoder_batch: features, encoder and their cross-attention keys and
+        values in one call, on a CUDA stream of its own so that the running clips' decoder steps go on meanwhile
+        (the encoder is compute-bound, a step mostly waits on memory); clips that fail here are returned with their
+        error."""
         free = [i for i, clip in enumerate(self.running) if clip is None]
         clips = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting), self.encoder_batch))]
         if not clips:
             return []
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), torch.cuda.stream(self.join_stream) if self.join_stream else nullcontext():
                 features = self.features([clip.audio for clip in clips], self.device).to(self.dtype)
                 encoded = self.model.model.encoder(features).last_hidden_state
-            self.decoder.join(free[:len(clips)], encoded)
+                self.decoder.join(free[:len(clips)], encoded)
+                event = self.join_stream.record_event() if self.join_stream else None
             self.encoded += len(clips)
         except Exception as e:
             log.exception("whisper encoder failed on %d clips", len(clips))
@@ -174,8 +185,22 @@ class WhisperEngine:
             language = self.languages[clip.language] if clip.language else None
             clip.slot, clip.position, clip.language_id, clip.tokens = slot, 0, language, []
             clip.feed = [self.sot, *self._rest_of_prompt(clip)] if language is not None else [self.sot]
+            clip.joined = event is None
             self.running[slot] = clip
+        if event is not None:
+            self.joining.append((event, clips))
         return []
+
+    def _joined(self) -> None:
+        """Clips whose encoder finished join the decoder's batch (when none is decoding, it waits for the first)."""
+        if self.joining and not any(clip is not None and clip.joined for clip in self.running):
+            self.joining[0][0].synchronize()
+        for event, clips in self.joining:
+            if event.query():
+                torch.cuda.current_stream(self.device).wait_event(event)
+                for clip in clips:
+                    clip.joined = True
+        self.joining = [(event, clips) for event, clips in self.joining if not clips[0].joined]
 
     def _rest_of_prompt(self, clip: Clip) -> list[int]:
         return [clip.language_id, self.tasks[clip.task], self.no_timestamps]

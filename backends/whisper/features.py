@@ -20,10 +20,10 @@ class LogMel:
 
     def __call__(self, clips: list[np.ndarray], device: torch.device) -> torch.Tensor:
         """16 kHz mono clips -> float32 [len(clips), mels, 3000]."""
-        batch = np.zeros((len(clips), self.n_samples), dtype=np.float64)
+        batch = np.zeros((len(clips), self.n_samples), dtype=np.float32)  # float32 samples: half the bytes to copy
         for row, clip in zip(batch, clips):
             row[:min(len(clip), self.n_samples)] = clip[:self.n_samples]
-        waves = torch.from_numpy(batch).to(device)
+        waves = torch.from_numpy(batch).to(device).double()
         stft = torch.stft(waves, self.n_fft, self.hop, window=self.window.to(device), return_complex=True)
         power = stft[..., :-1].abs() ** 2
         log = (self.filters.to(device).T @ power).clamp(min=1e-10).log10()

@@ -57,17 +57,18 @@ def write_input_data(path: Path, items: list[tuple[bytes, float, int]]) -> Path:
 def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency: int, params: dict[str, str],
                device: str, clips_per_round: int) -> float:
     """Clips/s of the engine alone with `concurrency` clips always in flight (a finished clip is replaced by the
-    next, the clips cycled): decode + resample on this thread, features, encoder and continuous-batched greedy
-    decoding, with the served model's engine parameters; after a warm-up round."""
+    next, the clips cycled): features, encoder and continuous-batched greedy decoding, with the served model's
+    engine parameters; after a warm-up round. The clips are decoded beforehand: the served model decodes on its
+    prepare threads, beside the engine's loop."""
     from backends.whisper.engine import Clip, WhisperEngine
 
     engine = WhisperEngine(folder, params["dtype"], device, int(params["max_batch"]), int(params["encoder_batch"]),
                            params["cuda_graphs"] == "true")
-    cycle = itertools.cycle(items)
+    cycle = itertools.cycle([(decode_audio(audio), tokens) for audio, _, tokens in items])
 
     def add() -> None:
-        audio, _, tokens = next(cycle)
-        engine.add(Clip(decode_audio(audio), "en", "transcribe", tokens))
+        samples, tokens = next(cycle)
+        engine.add(Clip(samples, "en", "transcribe", tokens))
 
     def run(clips: int) -> None:
         for _ in range(concurrency - len(engine.waiting) - (len(engine.running) - engine.free_slots)):
@@ -119,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
              f"Model: {params['dtype']} weights from {Path(engine_meta['checkpoint']).name}, device {device}; "
              f"batch_window {params['batch_window']}, {params['max_batch']} decoder slots, up to "
              f"{params['encoder_batch']} clips joining per step, CUDA graphs {params['cuda_graphs']}.",
-             f"In-process: the same engine and parameters with {load} clips always in flight (decode, resample, "
-             f"features, encoder, continuous-batched greedy decoding), {4 * load} clips after a warm-up, in this "
+             f"In-process: the same engine and parameters with {load} clips always in flight (features, encoder, "
+             f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
+             f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "
              f"process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
              *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util"]

@@ -1,7 +1,7 @@
 """`mm_whisper`: Triton backend for `whisper`, audio bytes (+ optional language, task, max_tokens) -> text and tokens.
 
 Each request is checked on its own, its audio decoded and resampled on the thread pool and cut into overlapping 30 s
-chunks when longer. With `batch_window` adaptive or fixed (the default) the engine batches continuously: requests
+chunks when longer. With `batch_window` adaptive (the default) or fixed the engine batches continuously: requests
 join the running decoder batch between steps in QoS order (audio seconds as the cost) as slots free up, each chunk in
 a slot of its own, and a request is answered as soon as its last chunk is done. With "triton", Triton's dynamic
 batcher hands `execute` several requests at once and their chunks run together to the end of the longest. Each
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
-
-from typing import Any
 
 from backends.core.adapter import BatchedBackend, inject
 from backends.core.batcher import Job
@@ -185,11 +184,10 @@ class WhisperSteps:
                 running, clips = Running(job, [None] * len(request.chunks)), clips_of(request)
                 for i, clip in enumerate(clips):
                     clip.owner = (running, i)
-                    self.engine.check(clip)
+                self.engine.add(*clips)
             except Exception as e:
                 self.failed.append((job, e))
                 continue
-            self.engine.waiting.extend(clips)
             self.held.append(running)
 
     def step(self) -> list[tuple[Job, Any]]:

@@ -108,10 +108,11 @@ class WhisperEngine:
             raise InvalidInput(f"unknown language {language!r}; known: {', '.join(sorted(self.languages))}")
 
     # --- continuous batching ----------------------------------------------------------------------------------
-    def add(self, clip: Clip) -> None:
-        """Queue a clip; it joins the running batch at a coming step."""
-        self.check(clip)
-        self.waiting.append(clip)
+    def add(self, *clips: Clip) -> None:
+        """Queue clips (all or, when one is wrong, none); they join the running batch at coming steps."""
+        for clip in clips:
+            self.check(clip)
+        self.waiting.extend(clips)
 
     def check(self, clip: Clip) -> None:
         """Refuses what the clip asks for when it is wrong; caps its budget at what the decoder's positions allow."""
@@ -237,9 +238,7 @@ class WhisperEngine:
         these clips are done (any clips added before are run too); raises the first clip's error."""
         budgets = max_new_tokens or [None] * len(audios)
         clips = [Clip(audio, language, task, n) for audio, language, task, n in zip(audios, languages, tasks, budgets)]
-        for clip in clips:
-            self.check(clip)
-        self.waiting.extend(clips)
+        self.add(*clips)
         pending = set(clips)
         while pending:
             for clip in self.step():

@@ -136,11 +136,12 @@ def test_the_client_sends_the_class_over_both_protocols(server, protocol):
         time.sleep(0.02)
 
 
-# --- whisper: our batcher (one request per batch here), QoS by class and audio length ---------------------------
+# --- whisper: our continuous batcher (4 decoder slots here: a long clip's chunks fill them), QoS by class and audio
+# length ----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def whisper_server(tmp_path_factory, whisper_checkpoint):
-    yield from built_server(tmp_path_factory, "whisper", whisper_checkpoint, "--max-batch-size", "1",
-                            "--batch-window", "adaptive", "--qos-max-queued", "high=2,normal=2,low=2",
+    yield from built_server(tmp_path_factory, "whisper", whisper_checkpoint, "--max-batch-size", "1", "--max-batch",
+                            "4", "--batch-window", "adaptive", "--qos-max-queued", "high=2,normal=2,low=2",
                             model_control="explicit", load_models=["whisper"])
 
 

@@ -13,7 +13,8 @@ response sender, and batches them here:
   gathered none, and when the p99 latency of the last 64 requests rises above 1.5x its rolling baseline. Requests
   that come one at a time therefore never wait.
 `ContinuousBatcher` serves engines whose running batch takes and releases requests between steps (whisper's decoder):
-waiting requests join in QoS order whenever the engine has room, without waiting for the batch in flight to end.
+waiting requests join in QoS order whenever the engine has room, without waiting for the batch in flight to end; a
+full engine may preempt lower-class work for the first waiting request.
 """
 from __future__ import annotations
 
@@ -223,8 +224,9 @@ class Stepper(Protocol):
 
     busy: bool  # holds requests (so the loop steps without waiting for new ones)
 
-    def room(self) -> int:
-        """How many more jobs it takes now."""
+    def room(self, waiting: Ticket | None) -> int:
+        """How many more jobs it takes now; when it is full, it may make room for one by preempting work of a lower
+        class than `waiting` (the ticket of the job first in QoS order, None when none waits)."""
 
     def admit(self, jobs: list[Job]) -> None:
         """Take jobs (their `work`); they run from the next step."""
@@ -291,13 +293,15 @@ class ContinuousBatcher(Batcher):
             if self._closed:
                 return None
             expired = self._take_expired(time.monotonic())
-            room, jobs = self.engine.room(), []
+            now = time.monotonic()
+            self._jobs.sort(key=lambda job: job.ticket.key(now))
+            room, jobs = self.engine.room(self._jobs[0].ticket if self._jobs else None), []
             if self._jobs and room > 0:
                 if not self.engine.busy:
                     self.window.backlog(len(self._jobs))
                     self._wait_for_more(room)
-                now = time.monotonic()
-                self._jobs.sort(key=lambda job: job.ticket.key(now))
+                    now = time.monotonic()
+                    self._jobs.sort(key=lambda job: job.ticket.key(now))
                 jobs, self._jobs = self._jobs[:room], self._jobs[room:]
         for job, error in expired:
             answer(job, error)

@@ -13,6 +13,7 @@ tensors: `whisper_audio` (CPU instances) decodes and resamples, `_audio` out; `w
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -24,6 +25,7 @@ from backends.core.batcher import Job
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
+from backends.core.qos import Ticket
 from backends.media.audio import SAMPLE_RATE, decode_audio
 from backends.whisper.chunking import merge, split
 from backends.whisper.engine import TASKS, Clip, WhisperEngine, WhisperParams
@@ -34,7 +36,8 @@ GAUGES = {"whisper_clips_running": "clips (30 s chunks) in the decoder's running
           "whisper_clips_waiting": "clips waiting for a decoder slot"}
 COUNTERS = {"whisper_decode_steps_total": "decoder steps",
             "whisper_decode_tokens_total": "tokens fed by decoder steps (÷ steps = mean decode batch)",
-            "whisper_encoded_clips_total": "clips through the encoder"}
+            "whisper_encoded_clips_total": "clips through the encoder",
+            "whisper_preemptions_total": "clips that gave up their slot to a higher QoS class (and start again)"}
 
 
 @dataclass
@@ -123,9 +126,10 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
         if self.metrics is not None:
             engine = self.engine
             self.metrics.update({"whisper_clips_running": len(engine.running) - engine.free_slots,
-                                 "whisper_clips_waiting": len(engine.waiting)},
+                                 "whisper_clips_waiting": len(engine.waiting) + len(engine.preempted)},
                                 {"whisper_decode_steps_total": engine.steps, "whisper_decode_tokens_total": engine.fed,
-                                 "whisper_encoded_clips_total": engine.encoded})
+                                 "whisper_encoded_clips_total": engine.encoded,
+                                 "whisper_preemptions_total": engine.preemptions})
 
     def finalize(self) -> None:
         super().finalize()
@@ -172,8 +176,11 @@ class WhisperSteps:
     def busy(self) -> bool:
         return bool(self.failed) or self.engine.has_work
 
-    def room(self) -> int:
-        return max(0, self.engine.free_slots - len(self.engine.waiting))
+    def room(self, waiting: Ticket | None) -> int:
+        engine = self.engine
+        if engine.room <= 0 and waiting is not None and engine.preempt_for(waiting, time.monotonic()):
+            return 1  # the slot a lower-class clip gave up, for `waiting`'s request
+        return max(0, engine.room)
 
     def admit(self, jobs: list[Job]) -> None:
         self.backend.pool.kick()  # room for more ahead of the engine (the QoS metrics follow with the batcher's after)
@@ -183,7 +190,7 @@ class WhisperSteps:
                 inject(fault, "infer")
                 running, clips = Running(job, [None] * len(request.chunks)), clips_of(request)
                 for i, clip in enumerate(clips):
-                    clip.owner = (running, i)
+                    clip.owner, clip.ticket = (running, i), job.ticket
                 self.engine.add(*clips)
             except Exception as e:
                 self.failed.append((job, e))

@@ -25,6 +25,7 @@ from backends.core.batcher import BatchingParams
 from backends.core.devices import DTYPES, resolve_device
 from backends.core.errors import InvalidInput
 from backends.core.params import bounded, choice, device
+from backends.core.qos import Ticket
 from backends.media.audio import AudioLimits
 from backends.whisper.decoder import SlotDecoder
 from backends.whisper.features import LogMel
@@ -74,6 +75,7 @@ class Clip:
     position: int = 0  # of the token fed next
     feed: list[int] = field(default_factory=list)  # prompt tokens still to feed; the next token fed is feed[0]
     tokens: list[int] = field(default_factory=list)
+    ticket: Ticket | None = None  # its request's QoS ticket (preemption: a lower class yields its slot)
     joined: bool = False  # its encoder output is in its slot: it decodes
     error: Exception | None = None  # set when the clip failed
 
@@ -101,7 +103,9 @@ class WhisperEngine:
         self.running: list[Clip | None] = [None] * slots  # by slot, clips still joining too
         self.join_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.joining: list[tuple[torch.cuda.Event, list[Clip]]] = []  # encoders in flight on join_stream
-        self.steps = self.fed = self.encoded = 0  # decoder steps, tokens fed by them (clips x steps), clips encoded
+        self.preempted: collections.deque[Clip] = collections.deque()  # rejoin from scratch after `waiting`
+        # decoder steps, tokens fed by them (clips x steps), clips encoded, clips preempted
+        self.steps = self.fed = self.encoded = self.preemptions = 0
 
     def check_language(self, language: str | None) -> None:
         if language is not None and language not in self.languages:
@@ -129,7 +133,29 @@ class WhisperEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.free_slots < len(self.running)
+        return bool(self.waiting or self.preempted) or self.free_slots < len(self.running)
+
+    @property
+    def room(self) -> int:
+        """Slots free for clips not queued yet."""
+        return self.free_slots - len(self.waiting) - len(self.preempted)
+
+    def preempt_for(self, ticket: Ticket, now: float) -> bool:
+        """When the engine is full: frees a slot for a request of `ticket` by preempting the decoding clip last in
+        QoS order, if that clip's request is of a lower class and not overdue (the aging bound protects it); the
+        clip starts again from its prompt once the clips queued meanwhile have joined. The LLM scheduler's rule."""
+        if self.room > 0 or self.waiting:
+            return False
+        candidates = [clip for clip in self.running if clip is not None and clip.joined and clip.ticket is not None]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda clip: (clip.ticket.key(now), -clip.position))
+        if victim.ticket.rank <= ticket.rank or victim.ticket.key(now) < ticket.key(now):
+            return False
+        self.running[victim.slot] = None
+        self.preempted.append(victim)
+        self.preemptions += 1
+        return True
 
     def step(self) -> list[Clip]:
         """Let waiting clips start joining, run one decoder step over the clips that have joined; the clips that
@@ -156,8 +182,9 @@ class WhisperEngine:
         """Drop every clip (waiting and running); returns them."""
         if self.join_stream is not None:
             self.join_stream.synchronize()  # no encoder still writing into a slot a later clip gets
-        clips = [*self.waiting, *(clip for clip in self.running if clip is not None)]
+        clips = [*self.waiting, *self.preempted, *(clip for clip in self.running if clip is not None)]
         self.waiting.clear()
+        self.preempted.clear()
         self.running, self.joining = [None] * len(self.running), []
         return clips
 
@@ -167,7 +194,10 @@ class WhisperEngine:
         (the encoder is compute-bound, a step mostly waits on memory); clips that fail here are returned with their
         error."""
         free = [i for i, clip in enumerate(self.running) if clip is None]
-        clips = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting), self.encoder_batch))]
+        clips = []
+        for queue in (self.waiting, self.preempted):
+            while queue and len(clips) < min(len(free), self.encoder_batch):
+                clips.append(queue.popleft())
         if not clips:
             return []
         try:

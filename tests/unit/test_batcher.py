@@ -210,16 +210,18 @@ class StepCounter:
         self.steps = 0
         self.joined: dict[str, int] = {}
         self.left: dict[str, int] = {}
+        self.offered: list[str | None] = []  # the class of the first waiting job, as each room() saw it
 
     @property
     def busy(self) -> bool:
         return bool(self.held)
 
-    def room(self) -> int:
+    def room(self, waiting) -> int:
+        self.offered.append(None if waiting is None else waiting.qos_class)
         return self.slots - len(self.held)
 
     def admit(self, jobs: list[Job]) -> None:
-        assert len(jobs) <= self.room()
+        assert len(jobs) <= self.slots - len(self.held)
         for job in jobs:
             self.held[job] = job.work[1]
             self.joined[job.work[0]] = self.steps
@@ -266,6 +268,7 @@ def test_continuous_batcher_lets_requests_join_a_busy_engine_in_qos_order():
     assert low_done.wait(5) and high_done.wait(5) and long_done.wait(5)
     batcher.close()
     assert engine.joined["high"] <= engine.joined["low"]  # the free slot went to the higher class first
+    assert "high" in engine.offered  # the engine saw who waited first (a full engine may preempt for it)
     assert engine.left["long"] == 200
 
 

@@ -4,6 +4,8 @@
 layout and merge."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -87,6 +89,33 @@ def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whis
     assert sharing["positions"] >= 3  # clips at three different positions shared a step
     assert sharing["clips_per_slot"] >= 2  # a slot freed by one clip served another
     assert not engine.has_work and engine.free_slots == 3
+
+
+def test_a_higher_class_preempts_the_last_low_clip_which_restarts_with_the_same_tokens(whisper_checkpoint):
+    from backends.core.qos import QosParams, QosPolicy
+
+    policy = QosPolicy(QosParams())
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=2)
+    audio = [RNG.normal(0, 0.1, 16000 * s).astype(np.float32) for s in (3, 8, 2)]
+    alone = engine.transcribe(audio, ["en"] * 3, ["transcribe"] * 3, [30, 30, 6])
+    old_low, new_low = (Clip(a, "en", "transcribe", 30, ticket=policy.ticket("low", 0.5)) for a in audio[:2])
+    engine.add(old_low)
+    engine.step()
+    engine.add(new_low)  # arrives later: last in QoS order
+    for _ in range(3):
+        engine.step()
+    high = policy.ticket("high", 0.1)
+    assert engine.room == 0 and not engine.preempt_for(policy.ticket("low", 0.0), time.monotonic())  # same class
+    assert engine.preempt_for(high, time.monotonic())
+    assert engine.preempted[0] is new_low and engine.room == 0 and engine.preemptions == 1
+    urgent = Clip(audio[2], "en", "transcribe", 6, ticket=high)
+    engine.add(urgent)
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    assert done.index(urgent) < done.index(new_low)
+    for clip, expected in zip((old_low, new_low, urgent), alone):
+        assert clip.error is None and clip.tokens == expected.tokens  # the preempted clip started again
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")

@@ -247,6 +247,9 @@ if [[ " ${SCENARIOS:-images} " == *" openai "* ]]; then
   done
 fi
 if [[ " ${SCENARIOS:-images} " == *" qos "* ]]; then
+  if [[ " ${QOS_FAMILIES:-llm vlm} " == *" vlm "* ]]; then  # vlm decodes JPEGs with nvJPEG beside the engine's steps
+    "$py" -m pytest -q -p no:cacheprovider tests/unit/test_device_images.py
+  fi
   for family in ${QOS_FAMILIES:-llm vlm}; do
     if [ "$family" = llm ]; then preset=llama-3-8b; else preset=llava-next-8b; fi
     "${build[@]}" "$family" --random-init "$preset" --precision bf16 --device cuda

@@ -9,7 +9,9 @@ default where exact parity with transformers matters; the plan and the token cou
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,10 +62,8 @@ def decode_on_device(items: list[Jpeg | torch.Tensor], device: torch.device) -> 
     jpegs = [i for i, item in enumerate(items) if isinstance(item, Jpeg)]
     out = [None if isinstance(item, Jpeg) else item.to(device) for item in items]
     if jpegs:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         try:
-            decoded = decode_jpeg([file_bytes(items[i]) for i in jpegs], mode=ImageReadMode.RGB, device=device)
+            decoded = nvjpeg_decode([file_bytes(items[i]) for i in jpegs], device)
         except RuntimeError:
             decoded = [decode_one(items[i], device) for i in jpegs]
         for i, pixels in zip(jpegs, decoded):
@@ -75,11 +75,37 @@ def file_bytes(jpeg: Jpeg) -> torch.Tensor:
     return torch.frombuffer(bytearray(jpeg.data), dtype=torch.uint8)
 
 
-def decode_one(jpeg: Jpeg, device: torch.device) -> torch.Tensor:
+@functools.cache
+def _decode_stream(device: torch.device) -> tuple[torch.cuda.Stream, threading.Lock]:
+    return torch.cuda.Stream(device), threading.Lock()
+
+
+def nvjpeg_decode(data: torch.Tensor | list[torch.Tensor], device: torch.device) -> torch.Tensor | list[torch.Tensor]:
+    """torchvision's `decode_jpeg` (one file or a batch), kept from writing into memory that queued kernels still read.
+
+    Why: the decoder allocates its outputs on the caller's stream, where the caching allocator hands out a block as
+    soon as it is freed, and nvJPEG's hardware engine writes them without waiting for the kernels queued before
+    (pytorch/vision#9606). On the H200 that overwrote the LLM engine's KV slot indices mid-step (a device-side
+    assert in `index_copy_`; perf/results/h200/2026-12-03-qos-vlm-failure-log.txt). Here the outputs come from a
+    stream of their own, used by one decode at a time and drained after it; they are recorded on the caller's
+    stream, so their blocks are not handed out again before its kernels have read them."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    if device.type != "cuda":  # no nvJPEG, no hazard
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    stream, lock = _decode_stream(device)
+    caller = torch.cuda.current_stream(device)
+    with lock, torch.cuda.stream(stream):
+        decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+        stream.synchronize()
+    for pixels in decoded if isinstance(decoded, list) else [decoded]:
+        pixels.record_stream(caller)
+    return decoded
+
+
+def decode_one(jpeg: Jpeg, device: torch.device) -> torch.Tensor:
     try:
-        return decode_jpeg(file_bytes(jpeg), mode=ImageReadMode.RGB, device=device)
+        return nvjpeg_decode(file_bytes(jpeg), device)
     except RuntimeError as e:  # a JPEG nvJPEG cannot take
         log.warning("nvJPEG refused a %dx%d JPEG (%s); decoding it with Pillow", *jpeg.size, e)
         pixels = np.array(decode_image(jpeg.data, jpeg.max_pixels), dtype=np.uint8)

@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from backends.core.errors import InvalidInput
-from backends.media.device_images import (anyres_tiles, center_crop, decode_on_device, decode_to_device, pixel_values,
-                                          read_on_host)
+from backends.media.device_images import (anyres_tiles, center_crop, decode_on_device, decode_to_device, nvjpeg_decode,
+                                          pixel_values, read_on_host)
 from backends.media.images import ImagePreprocessor, decode_image
 from backends.media.images import center_crop as numpy_center_crop
 from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler
@@ -164,3 +164,28 @@ def test_a_jpeg_nvjpeg_refuses_is_decoded_by_pillow(nvjpeg):
 def test_bad_bytes_are_refused_with_the_reason(data, reason):
     with pytest.raises(InvalidInput, match=reason):
         decode_to_device(data, CPU, nvjpeg=False)
+
+
+def blocks_overwritten_by_decodes(decode, rounds: int = 20) -> int:
+    """pytorch/vision#9606's trap, on the default stream: tensors of known values are summed behind a long kernel and
+    freed while the sums still wait; a decode of the same size follows at once. Returns how many sums changed (the
+    decoder was handed their blocks and wrote them before the sums ran)."""
+    device, (height, width) = torch.device("cuda"), (1080, 1920)
+    image, out = random_image(width, height, seed=5), io.BytesIO()
+    image.save(out, "JPEG")
+    files = [torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)] * 4
+    changed = 0
+    for _ in range(rounds):
+        tensors = [torch.ones(3, height, width, dtype=torch.uint8, device=device) for _ in range(8)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # ~30 ms of one thread spinning: the sums below wait for it
+        sums = [t.sum(dtype=torch.int64) for t in tensors]
+        del tensors
+        decode(files, device)
+        changed += sum(int(s) != 3 * height * width for s in sums)
+    return changed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="nvJPEG decodes on CUDA")
+def test_nvjpeg_decode_never_writes_memory_that_queued_kernels_read():
+    assert blocks_overwritten_by_decodes(nvjpeg_decode) == 0

@@ -11,9 +11,9 @@ from build_engines.sam_graphs import SamImageEncoder, SamPromptMaskDecoder, deco
 
 
 def build_sam(opts: BuildOptions) -> None:
-    """The `sam` model: the image encoder and the prompt encoder + mask decoder as two engines (segment-anything's
-    ONNX interface, see build_engines/sam_graphs.py) from a Hugging Face SAM checkpoint, each verified against
-    PyTorch, with SamProcessor's config beside them for preprocessing."""
+    """The `sam` model: the image encoder and the prompt encoder + mask decoder as two engines (see
+    build_engines/sam_graphs.py) from a Hugging Face SAM checkpoint, each verified against PyTorch, with
+    SamProcessor's config beside them for preprocessing and post-processing."""
     from transformers import SamModel, SamProcessor
 
     name = opts.model_name("sam")
@@ -28,17 +28,17 @@ def build_sam(opts: BuildOptions) -> None:
         processor = SamProcessor.from_pretrained(opts.checkpoint)
         version_dir.mkdir(parents=True, exist_ok=True)
         processor.save_pretrained(version_dir)
-    prompt_cfg, pad_size = sam.config.prompt_encoder_config, processor.image_processor.pad_size
+    prompt_cfg = sam.config.prompt_encoder_config
     low_res = 4 * prompt_cfg.image_embedding_size  # the decoder's mask side (256)
     build_engine(EngineSpec(SamImageEncoder(sam), encoder_inputs(prompt_cfg.image_size), {"pixel_values": {0: BATCH}},
                             ["image_embeddings"]), version_dir / "image_encoder", opts, progress)
     points = ("points", 1024)
     build_engine(EngineSpec(
-        SamPromptMaskDecoder(sam, pad_size["height"]), decoder_inputs(
+        SamPromptMaskDecoder(sam), decoder_inputs(
             prompt_cfg.hidden_size, prompt_cfg.image_embedding_size, low_res, prompt_cfg.image_size),
         {"image_embeddings": {0: BATCH}, "point_coords": {0: BATCH, 1: points}, "point_labels": {0: BATCH, 1: points},
          "mask_input": {0: BATCH}, "has_mask_input": {0: BATCH}},
-        ["masks", "iou_predictions", "low_res_masks"], keep_fp32=("point_coords",)),
+        ["low_res_masks", "iou_predictions"], keep_fp32=("point_coords",)),
         version_dir / "mask_decoder", opts, progress)
     with progress.step("writing config.pbtxt"):
         opts.write(PythonModelConfig(

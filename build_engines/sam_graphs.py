@@ -1,25 +1,16 @@
-"""SAM as two engines, with segment-anything's ONNX interface, over transformers' SamModel weights.
+"""SAM as two engines over transformers' SamModel weights.
 
 The image encoder runs once per image; the prompt encoder + mask decoder runs once per click on the cached
-embedding. The decoder takes what segment-anything's exported decoder takes: points in the 1024-px frame with labels
-(1 foreground, 0 background, 2/3 box corners, -1 padding), a low-res mask input with a has-mask flag, and the original
-image size, and whether to return the three multimask candidates or the single mask (an input here, a build option
-there). It returns the chosen masks upscaled to the original size as logits (SamProcessor's post-processing, in the
-graph; only the chosen masks are upscaled), their IoU predictions and their 256 x 256 low-res logits.
+embedding. The decoder takes what segment-anything's exported decoder takes, less the original image size: points
+in the 1024-px frame with labels (1 foreground, 0 background, 2/3 box corners, -1 padding), a low-res mask input
+with a has-mask flag. It returns the 256 x 256 low-res logits of all four mask tokens and their IoU predictions;
+every input and output has a fixed shape for a given batch and number of prompt tokens, so the graph can be
+replayed as a CUDA graph. Choosing the masks and SamProcessor's upscaling run after it, on the engine's device
+(backends/sam/engine.py), where rows of different image sizes share one decoder call.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-MAX_SIDE = 32768  # largest original image side the decoder graph accepts
-
-
-def resized_side(side, height, width, longest_edge: int):
-    """A side after SamProcessor's resize, int(side * longest_edge / max(height, width) + 0.5), in integers so that
-    it traces with symbolic sizes (equal to the processor's float form: tests/unit/test_sam.py)."""
-    longest = max(height, width)
-    return (2 * side * longest_edge + longest) // (2 * longest)
 
 
 class SamImageEncoder(torch.nn.Module):
@@ -32,12 +23,11 @@ class SamImageEncoder(torch.nn.Module):
 
 
 class SamPromptMaskDecoder(torch.nn.Module):
-    def __init__(self, sam, pad_size: int):
+    def __init__(self, sam):
         super().__init__()
         self.prompt_encoder, self.mask_decoder = sam.prompt_encoder, sam.mask_decoder
         with torch.no_grad():
             self.register_buffer("image_pe", sam.get_image_wide_positional_embeddings(), persistent=False)
-        self.pad_size = pad_size  # the processor's padded input side: masks are cropped from this frame
 
     def embed_points(self, point_coords, point_labels):
         """SamPromptEncoder's point and box-corner embeddings, with segment-anything's label codes."""
@@ -65,31 +55,13 @@ class SamPromptMaskDecoder(torch.nn.Module):
         masks = hyper @ upscaled.flatten(2)[:, None]
         return masks.reshape(batch, -1, *upscaled.shape[-2:]), decoder.iou_prediction_head(queries[:, :, 0])[:, 0]
 
-    def upscale(self, low_res, orig_im_size):
-        """SamProcessor.post_process_masks without the threshold: to the padded frame, crop, to the original size."""
-        masks = F.interpolate(low_res.float(), (self.pad_size, self.pad_size), mode="bilinear", align_corners=False)
-        height, width = orig_im_size[0].item(), orig_im_size[1].item()
-        torch._check(height >= 1)
-        torch._check(width >= 1)
-        torch._check(height <= MAX_SIDE)
-        torch._check(width <= MAX_SIDE)
-        masks = masks[..., :resized_side(height, height, width, self.pad_size),
-                      :resized_side(width, height, width, self.pad_size)]
-        return F.interpolate(masks, (height, width), mode="bilinear", align_corners=False)
-
-    def forward(self, image_embeddings, point_coords, point_labels, mask_input, has_mask_input, orig_im_size,
-                multimask_output):
+    def forward(self, image_embeddings, point_coords, point_labels, mask_input, has_mask_input):
         sparse = self.embed_points(point_coords, point_labels)
         has_mask = has_mask_input.to(image_embeddings.dtype)[:, None, None, None]
         encoder = self.prompt_encoder
         dense = has_mask * encoder.mask_embed(mask_input.to(image_embeddings.dtype)) + \
             (1 - has_mask) * encoder.no_mask_embed.weight.reshape(1, -1, 1, 1)
-        low_res, iou = self.predict_masks(image_embeddings, sparse, dense)
-        multimask = multimask_output[0].item()  # SamMaskDecoder's choice: masks 1-3, or mask 0 alone
-        torch._check(multimask >= 0)
-        torch._check(multimask <= 1)
-        low_res, iou = low_res.narrow(1, multimask, 1 + 2 * multimask), iou.narrow(1, multimask, 1 + 2 * multimask)
-        return self.upscale(low_res, orig_im_size), iou, low_res
+        return self.predict_masks(image_embeddings, sparse, dense)
 
 
 def encoder_inputs(size: int):
@@ -99,14 +71,12 @@ def encoder_inputs(size: int):
 
 
 def decoder_inputs(channels: int, grid: int, low_res: int, input_size: int):
-    """Random prompts of every label code, masks given to some rows, a non-square original size."""
+    """Random prompts of every label code, masks given to some rows."""
     def make(batch: int) -> dict[str, torch.Tensor]:
         points = 2 + batch
         return {"image_embeddings": torch.randn(batch, channels, grid, grid),
                 "point_coords": torch.rand(batch, points, 2) * input_size,
                 "point_labels": torch.randint(-1, 4, (batch, points)).float(),
                 "mask_input": torch.randn(batch, 1, low_res, low_res),
-                "has_mask_input": (torch.arange(batch) % 2).float(),
-                "orig_im_size": torch.tensor([480 + batch, 640], dtype=torch.int64),
-                "multimask_output": torch.tensor([batch // 2 % 2])}  # verified at batch 1 and 3: both choices
+                "has_mask_input": (torch.arange(batch) % 2).float()}
     return make

@@ -11,7 +11,8 @@
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16, and where
 #   the engine's steps spend their time (perf.whisper_steps);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
-#   "sam": encoder and decoder requests/s vs concurrency of the served sam, ViT-H shapes, random bf16;
+#   "sam": the decoder's CUDA graph test, then encoder and decoder requests/s vs concurrency of the served sam,
+#   ViT-H shapes, random bf16;
 #   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
 #   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
 #   "attention": the paged decode kernel's tests, and the engine on Llama-3-8B shapes in bf16 and FP8 with decode
@@ -169,6 +170,7 @@ if [[ " ${SCENARIOS:-images} " == *" sam "* ]]; then
     "${build[@]}" sam --tiny
   else  # SAM ViT-H shapes (32 layers x 1280, 256-channel neck and decoder), random bf16 weights
     "${build[@]}" sam --random-init sam-vit-h --runtime torch --precision bf16 --device cuda
+    "$py" -m pytest -q -p no:cacheprovider tests/unit/test_sam.py -k cuda_graphs
   fi
   "$py" -m perf.sam_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
 fi

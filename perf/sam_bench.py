@@ -45,10 +45,12 @@ def in_process(folder: Path, images: list[bytes], device: str, repeats: int = 5,
                ) -> dict[str, float]:
     """Median ms of a first click (no cache), of a further click (cache hit), and of `batch` clicks on the images
     (cached) as one `segment_batch`, in process."""
-    from backends.sam.engine import Prompt, SamEngine
+    from backends.sam.engine import Prompt, SamEngine, SamParams
 
-    engine = SamEngine(folder, device=device, cache_mb=0)
-    cached = SamEngine(folder, device=device)
+    params = SamParams()  # the served model's graphs
+    engine = SamEngine(folder, device=device, cache_mb=0, max_prompts=params.max_prompts,
+                       graph_tokens=params.graph_tokens)
+    cached = SamEngine(folder, device=device, max_prompts=params.max_prompts, graph_tokens=params.graph_tokens)
     point, label = np.array([[10.0, 10.0]], dtype=np.float32), np.array([1])
     times: dict[str, list[float]] = {"first click": [], "second click": []}
     for name, run in (("first click", lambda d: engine.segment(d, point, label)),

@@ -7,15 +7,15 @@
 `load_runtime` picks from the artefacts present unless the model config names a runtime. Every runtime takes and
 returns numpy float32/int64 arrays so model classes never care which engine ran;
 the torch and TensorRT runtimes also take torch tensors, which may already be on their device. Outputs named in
-`positive` come back as bool (> 0), compared where the engine ran: from a GPU a quarter of the bytes (SAM's masks).
-Outputs named in `keep` stay where the torch and TensorRT runtimes made them (torch tensors on their device, in
-their dtype), to feed another engine later without a round trip (SAM's cached image embeddings).
+`keep` stay where the torch and TensorRT runtimes made them (torch tensors on their device, in their dtype), to feed
+another engine or post-processing there without a round trip (SAM's cached image embeddings, its low-res masks).
 """
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -33,10 +33,8 @@ class Runtime(ABC):
     device: str
 
     @abstractmethod
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
-            ) -> dict[str, np.ndarray]:
-        """Run one batch; feeds and results are keyed by the engine's tensor names (`positive`, `keep`: see
-        above)."""
+    def run(self, feeds: dict[str, np.ndarray], keep: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        """Run one batch; feeds and results are keyed by the engine's tensor names (`keep`: see above)."""
 
 
 class OnnxRuntime(Runtime):
@@ -54,12 +52,10 @@ class OnnxRuntime(Runtime):
         self.device = "cpu" if providers[0] == "CPUExecutionProvider" else "cuda"
         self.input_types = {i.name: i.type for i in self.session.get_inputs()}
 
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
-            ) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], keep: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
         feeds = {name: array.astype(_ORT_TYPES[self.input_types[name]], copy=False) for name, array in feeds.items()}
         names = [o.name for o in self.session.get_outputs()]
-        return {n: np.asarray(v) > 0 if n in positive else np.asarray(v, dtype=np.float32)
-                for n, v in zip(names, self.session.run(names, feeds))}
+        return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, self.session.run(names, feeds))}
 
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -70,8 +66,10 @@ class TorchRuntime(Runtime):
     name = "torch"
 
     def __init__(self, path: Path, output_names: list[str], device: str = "auto", compile: bool = False,
-                 graph_batch: int = 0):
-        """`graph_batch`: on CUDA, replay batches up to this size from CUDA graphs (0: never)."""
+                 graph_batch: int = 0, graph_extents: Sequence[int] = ()):
+        """`graph_batch`: on CUDA, replay batches up to this size from CUDA graphs (0: never), for the inputs'
+        shapes after the batch as exported when they are fixed, else for each value in `graph_extents` given to
+        their dynamic dimension (SAM's prompt tokens); inputs of other shapes run op by op."""
         import torch
 
         if device == "auto":
@@ -88,29 +86,34 @@ class TorchRuntime(Runtime):
         module = program.module().to(device)
         self.module = torch.compile(module, dynamic=True) if compile else module
         shapes = [tuple(exported[name].shape[1:]) for name in self.input_names]
-        if graph_batch and device.startswith("cuda") and all(type(d) is int for s in shapes for d in s):
+        self.graphs: dict[tuple, Callable] = {}  # the inputs' shapes after the batch -> their graphs
+        if graph_batch and device.startswith("cuda"):
             from backends.core.cuda_graphs import try_graphs
 
-            self.module = try_graphs(self.module, shapes, self.input_dtypes, torch.device(device),
-                                     graph_batch) or self.module
+            fixed = all(type(d) is int for s in shapes for d in s)
+            variants = [shapes] if fixed else [[tuple(d if type(d) is int else extent for d in s) for s in shapes]
+                                               for extent in graph_extents]
+            for variant in variants:
+                graphed = try_graphs(self.module, variant, self.input_dtypes, torch.device(device), graph_batch)
+                if graphed is not None:
+                    self.graphs[tuple(variant)] = graphed
 
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
-            ) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], keep: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
         torch = self.torch
         args = [as_tensor(torch, feeds[name]).to(self.device, dtype)
                 for name, dtype in zip(self.input_names, self.input_dtypes)]
+        module = self.graphs.get(tuple(tuple(a.shape[1:]) for a in args), self.module)
         with torch.inference_mode():
-            outputs = self.module(*args)
+            outputs = module(*args)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         # contiguous on the device: exported programs may return permuted strides, which numpy would gather on the CPU
-        return {n: o.contiguous() if n in keep else device_to_numpy(o, n in positive)
-                for n, o in zip(self.output_names, outputs)}
+        return {n: o.contiguous() if n in keep else device_to_numpy(o) for n, o in zip(self.output_names, outputs)}
 
 
-def device_to_numpy(tensor, positive: bool = False) -> np.ndarray:
-    """A torch output as numpy, float32 or bool (> 0) made on its device and contiguous there: exported programs may
-    return permuted strides, which numpy would gather on the CPU."""
-    return (tensor > 0 if positive else tensor.float()).contiguous().cpu().numpy()
+def device_to_numpy(tensor) -> np.ndarray:
+    """A torch output as float32 numpy, converted on its device and contiguous there: exported programs may return
+    permuted strides, which numpy would gather on the CPU."""
+    return tensor.float().contiguous().cpu().numpy()
 
 
 def as_tensor(torch, value):
@@ -143,8 +146,7 @@ class TensorRTRuntime(Runtime):
     def torch_dtype(self, name: str):
         return getattr(self.torch, np.dtype(self.trt.nptype(self.engine.get_tensor_dtype(name))).name)
 
-    def run(self, feeds: dict[str, np.ndarray], positive: tuple[str, ...] = (), keep: tuple[str, ...] = ()
-            ) -> dict[str, np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray], keep: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
         torch = self.torch
         stream = torch.cuda.current_stream()
         alive = []  # the inputs' device copies, until the engine has run
@@ -161,7 +163,7 @@ class TensorRTRuntime(Runtime):
             self.context.set_tensor_address(name, results[name].data_ptr())
         self.context.execute_async_v3(stream.cuda_stream)
         stream.synchronize()
-        return {n: t if n in keep else device_to_numpy(t, n in positive) for n, t in results.items()}
+        return {n: t if n in keep else device_to_numpy(t) for n, t in results.items()}
 
 
 def available_runtimes(version_dir: Path) -> list[str]:
@@ -169,9 +171,9 @@ def available_runtimes(version_dir: Path) -> list[str]:
 
 
 def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "auto", compile: bool = False,
-                 graph_batch: int = 0) -> Runtime:
+                 graph_batch: int = 0, graph_extents: Sequence[int] = ()) -> Runtime:
     """Open the engine in a model version folder; `runtime="auto"` takes the fastest artefact present;
-    `compile` and `graph_batch` (CUDA graphs up to that batch; inputs of fixed shape only) apply to the torch one."""
+    `compile`, `graph_batch` and `graph_extents` (CUDA graphs: TorchRuntime) apply to the torch one."""
     version_dir = Path(version_dir)
     present = available_runtimes(version_dir)
     if runtime == "auto":
@@ -188,5 +190,5 @@ def load_runtime(version_dir: str | Path, runtime: str = "auto", device: str = "
         return OnnxRuntime(path, device)
     if runtime == "torch":
         meta = json.loads((version_dir / "engine.json").read_text())
-        return TorchRuntime(path, meta["outputs"], device, compile, graph_batch)
+        return TorchRuntime(path, meta["outputs"], device, compile, graph_batch, graph_extents)
     return TensorRTRuntime(path)

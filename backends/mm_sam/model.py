@@ -29,8 +29,9 @@ class TritonPythonModel(BatchedBackend[SamParams]):
         super().setup()
 
     def load(self) -> None:
-        self.engine = SamEngine(self.folder, self.params.runtime, self.device, self.params.embedding_cache_mb,
-                                self.params.max_points)
+        params = self.params
+        self.engine = SamEngine(self.folder, params.runtime, self.device, params.embedding_cache_mb, params.max_points,
+                                max_prompts=params.max_prompts, graph_tokens=params.graph_tokens)
 
     def batch_limit(self) -> int:
         return self.params.max_prompts

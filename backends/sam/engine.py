@@ -1,15 +1,17 @@
 """SAM with the image embedding cached: the image encoder engine runs once per distinct image, each prompt only runs
-the prompt encoder + mask decoder engine (both built by `build_engines sam`, segment-anything's ONNX interface).
+the prompt encoder + mask decoder engine (both built by `build_engines sam`).
 
-Preprocessing is transformers' SamProcessor (resize the longest side to 1024, normalise, pad); the decoder engine
-does its post-processing (upscale the low-res masks, crop the padding, resize to the original size) and the masks are
-its logits > 0, so masks and scores equal SamModel + SamProcessor's. The cache is keyed by the SHA-256 of the encoded
-image, least recently used first out, bounded by the bytes its embeddings hold.
+Preprocessing is transformers' SamProcessor (resize the longest side to 1024, normalise, pad). The decoder engine
+returns the low-res logits of all four mask tokens and their IoU predictions; the engine then does SamProcessor's
+post-processing on its device (choose the single mask or the three candidates, upscale to the padded frame, crop the
+padding, resize to the original size, threshold at 0), so masks and scores equal SamModel + SamProcessor's and only
+the masks the response holds are copied back. The cache is keyed by the SHA-256 of the encoded image, least recently
+used first out, bounded by the bytes its embeddings hold.
 
-Prompts of several requests run as one decoder call (`segment_batch`), the decoder graph's batch: each call takes
-prompts whose per-call inputs agree (the image's original size, which the masks are upscaled to; the number of
-prompt tokens, since padding a prompt with more tokens would change its masks; single or multimask output).
-Prompts on different images of the same size batch together; each row has its own image embedding.
+Prompts of several requests run as one decoder call (`segment_batch`) when they have the same number of prompt tokens
+(padding a prompt with more tokens would change its masks), whatever their images' sizes and output kinds; each row
+has its own image embedding. On CUDA the torch decoder replays CUDA graphs, one per power-of-two batch and token count
+up to `graph_tokens` (a click is ~170 small kernels: launched one by one, the host set the pace).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from backends.core.batcher import BatchingParams
 from backends.core.errors import InvalidInput
@@ -39,6 +43,8 @@ class SamParams(BatchingParams):
     embedding_cache_mb: int = bounded(1024, 0)  # memory for cached image embeddings (on the engine's device)
     max_points: int = bounded(64, 1)
     max_prompts: int = bounded(16, 1)  # requests in one decoder call (our batcher's batch: `batch_window`)
+    graph_tokens: int = bounded(6, 0, 66)  # CUDA graphs for prompts of 1 to this many tokens (points, +2 for a box or
+    # +1 padding point without one); longer prompts run op by op; 0: no graphs
 
 
 def image_key(data: bytes) -> str:
@@ -48,11 +54,23 @@ def image_key(data: bytes) -> str:
 
 def concatenate(rows: list):
     """Rows of numpy arrays, or of torch tensors (where a torch or TensorRT engine keeps them), along the batch."""
-    if isinstance(rows[0], np.ndarray):
-        return np.concatenate(rows)
-    import torch
+    return np.concatenate(rows) if isinstance(rows[0], np.ndarray) else torch.cat(rows)
 
-    return torch.cat(rows)
+
+def resized_side(side, height, width, longest_edge: int):
+    """A side after SamProcessor's resize, int(side * longest_edge / max(height, width) + 0.5), in integers (equal to
+    the processor's float form: tests/unit/test_sam.py)."""
+    longest = max(height, width)
+    return (2 * side * longest_edge + longest) // (2 * longest)
+
+
+def upscale_masks(low_res: torch.Tensor, size: tuple[int, int], pad_size: int) -> torch.Tensor:
+    """SamProcessor.post_process_masks without the threshold, in float32: [B, K, 256, 256] logits to the padded
+    frame, the padding cropped, then to the original (height, width)."""
+    height, width = size
+    masks = F.interpolate(low_res.float(), (pad_size, pad_size), mode="bilinear", align_corners=False)
+    masks = masks[..., :resized_side(height, height, width, pad_size), :resized_side(width, height, width, pad_size)]
+    return F.interpolate(masks, (height, width), mode="bilinear", align_corners=False)
 
 
 @dataclass
@@ -118,12 +136,17 @@ class Segmentation:
 
 class SamEngine:
     def __init__(self, version_dir: Path, runtime: str = "auto", device: str = "auto", cache_mb: int = 1024,
-                 max_points: int = 64, max_pixels: int = DEFAULT_MAX_PIXELS):
+                 max_points: int = 64, max_pixels: int = DEFAULT_MAX_PIXELS, max_prompts: int = 16,
+                 graph_tokens: int = 0):
+        """`max_prompts`, `graph_tokens`: the CUDA graphs of the torch decoder (SamParams)."""
         from transformers import SamProcessor
 
         self.processor = SamProcessor.from_pretrained(version_dir)
+        self.pad_size = self.processor.image_processor.pad_size["height"]
         self.encoder = load_runtime(Path(version_dir) / "image_encoder", runtime, device)
-        self.decoder = load_runtime(Path(version_dir) / "mask_decoder", runtime, device)
+        self.decoder = load_runtime(Path(version_dir) / "mask_decoder", runtime, device,
+                                    graph_batch=max_prompts if graph_tokens else 0,
+                                    graph_extents=range(1, graph_tokens + 1))
         self.cache = EmbeddingCache(cache_mb * 2**20)
         self.max_points, self.max_pixels = max_points, max_pixels
         self.encoder_runs = 0
@@ -207,9 +230,9 @@ class SamEngine:
 
     def segment_batch(self, prompts: list[Prompt]) -> list[Segmentation | Exception]:
         """Each prompt's masks, or its own error (its image, its prompt): the new images through the encoder
-        together, then one decoder call per group of prompts that can share one (see the module's docstring)."""
+        together, then one decoder call per number of prompt tokens (see the module's docstring)."""
         results: list[Segmentation | Exception | None] = [None] * len(prompts)
-        groups: dict[tuple, list[tuple[int, Embedded, np.ndarray, np.ndarray]]] = defaultdict(list)
+        groups: dict[int, list[tuple[int, Embedded, np.ndarray, np.ndarray]]] = defaultdict(list)
         entries = self.embed_batch([(prompt.image, prompt.key or None) for prompt in prompts])
         for i, (prompt, entry) in enumerate(zip(prompts, entries)):
             try:
@@ -220,8 +243,8 @@ class SamEngine:
                 results[i] = e
                 continue
             coords, codes = self._tokens(prompt, entry)
-            groups[entry.original_size, len(codes), prompt.multimask].append((i, entry, coords, codes))
-        for (size, _, multimask), rows in groups.items():
+            groups[len(codes)].append((i, entry, coords, codes))
+        for rows in groups.values():
             masks = [prompts[i].mask_input for i, *_ in rows]
             out = self.decoder.run({
                 "image_embeddings": concatenate([entry.embeddings for _, entry, _, _ in rows]),
@@ -229,11 +252,20 @@ class SamEngine:
                 "point_labels": np.stack([codes for _, _, _, codes in rows]).astype(np.float32),
                 "mask_input": np.stack([np.zeros((1, LOW_RES, LOW_RES), np.float32) if m is None else m
                                         for m in masks]).astype(np.float32),
-                "has_mask_input": np.array([0.0 if m is None else 1.0 for m in masks], np.float32),
-                "orig_im_size": np.array(size, np.int64), "multimask_output": np.array([int(multimask)])},
-                positive=("masks",))  # masks are their logits > 0, compared on the engine's device
-            for row, (i, *_) in enumerate(rows):
-                results[i] = Segmentation(out["masks"][row], out["iou_predictions"][row], out["low_res_masks"][row])
+                "has_mask_input": np.array([0.0 if m is None else 1.0 for m in masks], np.float32)},
+                keep=("low_res_masks", "iou_predictions"))
+            low_res, iou = (torch.as_tensor(out[name]) for name in ("low_res_masks", "iou_predictions"))
+            kinds: dict[tuple, list[int]] = defaultdict(list)  # rows that share an upscale: same size and output
+            for row, (i, entry, _, _) in enumerate(rows):
+                kinds[entry.original_size, prompts[i].multimask].append(row)
+            for (size, multimask), members in kinds.items():
+                index = torch.tensor(members, device=low_res.device)
+                chosen = slice(1, 4) if multimask else slice(0, 1)  # SamMaskDecoder's choice of mask tokens
+                kept = low_res[index, chosen]
+                masks_out = (upscale_masks(kept, size, self.pad_size) > 0).cpu().numpy()
+                kept, scores = kept.float().cpu().numpy(), iou[index, chosen].float().cpu().numpy()
+                for k, row in enumerate(members):
+                    results[rows[row][0]] = Segmentation(masks_out[k], scores[k], kept[k])
         return results
 
     @staticmethod

@@ -98,10 +98,10 @@ def test_torch_programs_equal_the_onnx_engines(engines, engine):
 
 
 def test_integer_crop_size_equals_the_processors_resize():
-    """The decoder graph crops the padded masks with integer arithmetic; SamProcessor resizes with floats."""
+    """The engine crops the padded masks with integer arithmetic; SamProcessor resizes with floats."""
     from transformers import SamImageProcessorPil
 
-    from build_engines.sam_graphs import resized_side
+    from backends.sam.engine import resized_side
 
     processor = SamImageProcessorPil()
     rng = np.random.default_rng(0)
@@ -166,9 +166,9 @@ def test_bad_mask_input_and_corrupt_image_are_refused(engine):
 
 
 def test_prompts_of_several_requests_share_engine_calls_and_equal_each_alone(engines, engine):
-    """Issue 24: the batch's new images through the encoder in one call; one decoder call per group of prompts with
-    the same image size, number of prompt tokens and output kind (rows of different images, with and without a mask
-    input, in one call); a bad image or prompt fails alone; each answer is what the prompt gets alone."""
+    """Issue 24: the batch's new images through the encoder in one call; one decoder call per number of prompt
+    tokens (rows of different images and sizes, with and without a mask input, single and multimask output, in one
+    call); a bad image or prompt fails alone; each answer is what the prompt gets alone."""
     a, b = (encode(random_image(640, 480, seed=s), "JPEG") for s in (40, 41))
     c = encode(random_image(300, 500, seed=42), "JPEG")
     earlier = engine.segment(a, np.array([[100.0, 80.0]]), np.array([1]), multimask=False).low_res_logits
@@ -178,7 +178,7 @@ def test_prompts_of_several_requests_share_engine_calls_and_equal_each_alone(eng
         Prompt(b, np.array([[10.0, 20.0]]), np.array([0])),  # another image of the same size: the same call
         Prompt(a, np.array([[50.0, 50.0]]), one, mask_input=earlier),  # a mask input in that call too
         Prompt(a, np.array([[100.0, 80.0], [500.5, 400.0]]), fg_bg),  # one more token: a call of its own
-        Prompt(c, boxes=np.array([[5.0, 5.0, 200.0, 300.0]]), multimask=False),  # another size
+        Prompt(c, boxes=np.array([[5.0, 5.0, 200.0, 300.0]]), multimask=False),  # another size, two tokens
         Prompt(a, np.array([[100.0, 80.0]]), one, mask_input=earlier, multimask=False),  # single mask output
         Prompt(b, np.array([[9999.0, 1.0]]), one),  # outside its image: refused alone
         Prompt(b"corrupt", np.array([[1.0, 1.0]]), one),
@@ -194,7 +194,7 @@ def test_prompts_of_several_requests_share_engine_calls_and_equal_each_alone(eng
         batched = engine.segment_batch(prompts)
     finally:
         engine.encoder.run, engine.decoder.run = runs["encoder"], runs["decoder"]
-    assert calls["encoder"] == [2] and sorted(calls["decoder"]) == [1, 1, 1, 4]  # b and c once each, a cached
+    assert calls["encoder"] == [2] and sorted(calls["decoder"]) == [1, 6]  # b and c once each, a cached
     fresh = SamEngine(engines["onnxruntime"], device="cpu")  # each image through the encoder alone
     for prompt, got in zip(prompts, batched):
         try:
@@ -206,3 +206,26 @@ def test_prompts_of_several_requests_share_engine_calls_and_equal_each_alone(eng
         assert got.masks.shape == alone.masks.shape and (got.masks == alone.masks).mean() > 0.9999
         np.testing.assert_allclose(got.iou_scores, alone.iou_scores, atol=1e-5)
         np.testing.assert_allclose(got.low_res_logits, alone.low_res_logits, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_of_the_decoder_equal_op_by_op(sam_checkpoint, tmp_path):
+    """Prompts of 2 and 3 tokens replay graphs (a batch of 5 in graphs of 4 and 1 rows), 5 tokens run op by op;
+    every answer equals the engine without graphs."""
+    assert build_engines(["sam", "--checkpoint", str(sam_checkpoint), "--runtime", "torch", "--device", "cuda",
+                          "--repository", str(tmp_path)]) == 0
+    folder = tmp_path / "sam" / "1"
+    eager = SamEngine(folder, "torch", "cuda", graph_tokens=0)
+    graphed = SamEngine(folder, "torch", "cuda", max_prompts=4, graph_tokens=3)
+    assert eager.decoder.graphs == {} and len(graphed.decoder.graphs) == 3
+    a, c = encode(random_image(640, 480, seed=50), "JPEG"), encode(random_image(300, 500, seed=51), "JPEG")
+    one = np.array([1])
+    prompts = [Prompt(image, np.array([[10.0 + 20 * i, 30.0]]), one, multimask=i % 2 == 0)
+               for i, image in enumerate([a, c, a, c, a])]
+    prompts += [Prompt(a, np.array([[100.0, 80.0], [200.0, 90.0]]), np.array([1, 0])),
+                Prompt(c, np.array([[5.0, 5.0], [9.0, 9.0], [20.0, 30.0]]), np.array([1, 1, 0]),
+                       np.array([[1.0, 1.0, 250.0, 400.0]]))]
+    for got, want in zip(graphed.segment_batch(prompts), eager.segment_batch(prompts)):
+        assert got.masks.shape == want.masks.shape and (got.masks == want.masks).mean() > 0.9999
+        np.testing.assert_allclose(got.iou_scores, want.iou_scores, atol=1e-5)
+        np.testing.assert_allclose(got.low_res_logits, want.low_res_logits, atol=1e-4)

@@ -162,7 +162,7 @@ class BatchedBackend(TritonBackend[P]):
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
             self.heartbeat = Heartbeat(self.name)  # the `health` model watches the batcher's loop through it
             common = dict(name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics,
-                          heartbeat=self.heartbeat, response_threads=self.params.response_threads)
+                          heartbeat=self.heartbeat)
             stepper = self.stepper()
             self.batcher = Batcher(self._run_jobs, max_batch, window, **common) if stepper is None else \
                 ContinuousBatcher(stepper, window, **common)

@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,9 +46,6 @@ class BatchingParams(QosParams):
     # niceness added to the prepare threads: decoding yields the CPU to the thread that admits requests, so under
     # overload the excess is refused at once instead of queueing in Triton before `execute` (perf.overload)
     prepare_nice: int = bounded(5, 0, 19)
-    # threads sending the responses (our batcher; 0: its own thread): while one copies a large response into the
-    # server's memory (sam's masks, megabytes), the next batch runs
-    response_threads: int = bounded(2, 0)
 
 
 class BatchWindow:
@@ -120,12 +116,10 @@ class Batcher:
 
     def __init__(self, run: Callable[[list[Job]], list[Any]], max_batch: int, window: BatchWindow,
                  name: str = "batcher", setup: Callable[[], None] = lambda: None,
-                 after: Callable[[], None] = lambda: None, heartbeat: Heartbeat | None = None,
-                 response_threads: int = 0):
+                 after: Callable[[], None] = lambda: None, heartbeat: Heartbeat | None = None):
         """`heartbeat`: beats on every pass of the loop, idle ones too (at least every IDLE_WAKE_S), and times the
-        batches. `response_threads`: threads that send the answers (0: the batcher's own thread)."""
+        batches."""
         self._run = run
-        self._senders = ThreadPoolExecutor(response_threads, f"{name}-responses") if response_threads else None
         self._after = after
         self._heartbeat = heartbeat
         self.max_batch = max_batch
@@ -155,16 +149,8 @@ class Batcher:
             waiting, self._jobs = self._jobs, []
             self._cond.notify()
         self._thread.join(timeout=timeout_s)
-        if self._senders is not None:  # the answers of the last batches go out first
-            self._senders.shutdown(wait=True)
         for job in waiting:
             answer(job, Unavailable("the model is being unloaded"))
-
-    def _answer(self, job: Job, output: Any) -> None:
-        if self._senders is None:
-            answer(job, output)
-        else:
-            self._senders.submit(answer, job, output)
 
     # --- the batcher thread -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -185,7 +171,7 @@ class Batcher:
             outputs = [e] * len(batch)
         now = time.monotonic()
         for job, output in zip(batch, outputs):
-            self._answer(job, output)
+            answer(job, output)
             self.window.finished(now - job.ticket.arrival)
         try:
             self._after()
@@ -262,10 +248,10 @@ class ContinuousBatcher(Batcher):
 
     def __init__(self, engine: Stepper, window: BatchWindow, name: str = "batcher",
                  setup: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None,
-                 heartbeat: Heartbeat | None = None, response_threads: int = 0):
+                 heartbeat: Heartbeat | None = None):
         self.engine = engine
         self._changed, self._after_at = False, 0.0  # jobs joined or left since `after` last ran; when it did
-        super().__init__(lambda batch: [], 0, window, name, setup, after, heartbeat, response_threads)
+        super().__init__(lambda batch: [], 0, window, name, setup, after, heartbeat)
 
     def _loop(self) -> None:
         while (jobs := self._take()) is not None:
@@ -287,7 +273,7 @@ class ContinuousBatcher(Batcher):
             finished = [(job, e) for job in self.engine.abort()]
         now = time.monotonic()
         for job, output in finished:
-            self._answer(job, output)
+            answer(job, output)
             self.window.finished(now - job.ticket.arrival)
         self._changed = self._changed or bool(jobs or finished)
         if self._changed and (not self.engine.busy or now - self._after_at >= self.AFTER_EVERY_S):

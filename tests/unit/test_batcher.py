@@ -1,6 +1,5 @@
 """Our batcher: the adaptive window's rule, QoS order of waiting requests, one class per batch, full batches leave at
-once, a window that gathers, refusals at close and after a timeout, a failing run answered for every job, answers
-sent on threads of their own while the next batch runs. The
+once, a window that gathers, refusals at close and after a timeout, and a failing run answered for every job. The
 continuous batcher: requests join a busy engine between steps as it has room, in QoS order; failures and close
 answer every request it holds."""
 from __future__ import annotations
@@ -161,22 +160,6 @@ def test_close_refuses_waiting_requests_and_later_ones():
     batcher.put(late)
     assert late_done.is_set() and "unloaded" in str(late_result["output"])
     assert all(s.queued == 0 for s in policy.admission.snapshot().values())
-
-
-def test_response_threads_send_while_the_next_batch_runs_and_close_waits_for_them():
-    policy = QosPolicy(QosParams())
-    batcher = Batcher(Recorder(), max_batch=1, window=BatchWindow("adaptive", 0.015), response_threads=2)
-    sending, slow_done, slow_result = make_job(policy, "slow")
-    release = threading.Event()
-    slow_answer = sending.answer
-    sending.answer = lambda output: release.wait(10) and slow_answer(output)  # a response that takes long to copy
-    batcher.put(sending)
-    fast, fast_done, fast_result = make_job(policy, "fast")
-    batcher.put(fast)
-    assert fast_done.wait(5) and fast_result["output"] == "out-fast" and not slow_done.is_set()
-    threading.Timer(0.2, release.set).start()
-    batcher.close()
-    assert slow_done.is_set() and slow_result["output"] == "out-slow"  # sent before close returned
 
 
 def test_a_request_past_its_timeout_is_refused_and_counted():

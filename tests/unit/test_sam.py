@@ -229,7 +229,11 @@ def test_cuda_graphs_of_the_decoder_equal_op_by_op(sam_checkpoint, tmp_path, mon
     prompts += [Prompt(a, np.array([[100.0, 80.0], [200.0, 90.0]]), np.array([1, 0])),
                 Prompt(c, np.array([[5.0, 5.0], [9.0, 9.0], [20.0, 30.0]]), np.array([1, 1, 0]),
                        np.array([[1.0, 1.0, 250.0, 400.0]]))]
+    replays = []  # rows of each graph replay
+    for graphs in graphed.decoder.graphs.values():
+        graphs.run_chunk = lambda args, run=graphs.run_chunk: replays.append(len(args[0])) or run(args)
     for got, want in zip(graphed.segment_batch(prompts), eager.segment_batch(prompts)):
         assert got.masks.shape == want.masks.shape and (got.masks == want.masks).mean() > 0.9999
         np.testing.assert_allclose(got.iou_scores, want.iou_scores, atol=1e-5)
         np.testing.assert_allclose(got.low_res_logits, want.low_res_logits, atol=1e-4)
+    assert sorted(replays) == [1, 1, 4]  # 2 tokens: 4 rows + 1; 3 tokens: 1 row; the 5-token prompt op by op

@@ -46,11 +46,13 @@ cp -L "$SITE"/nvidia/cuda_runtime/lib/libcudart.so.12 "$root/perf_analyzer/"
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$root/wheels" "${WHEELS[@]}"
 
-git ls-files -z | xargs -0 tar -cf - | tar -xf - -C "$root/project"
+# the recorded results stay out: the device copies the working tree beside the bundle, within 64 MiB in all
+git ls-files -z -- . ':!perf/results' | xargs -0 tar -cf - | tar -xf - -C "$root/project"
 
 mkdir -p dist
 echo "compressing (xz) ..."
 tar -C "$stage" -cf - bundle | xz -T0 -9 > "$OUT"
 size=$(stat -c %s "$OUT")
-echo "$OUT: $((size / 1048576)) MiB"
-[ "$size" -lt $((62 * 1048576)) ] || { echo "bundle is over 62 MiB (the device takes 64 MiB in all)"; exit 1; }
+tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+echo "$OUT: $((size / 1048576)) MiB (+ $((tree / 1024)) KiB of tracked files beside it on the device)"
+[ $((size + tree)) -lt $((63 * 1048576)) ] || { echo "bundle + working tree over 63 MiB (the device takes 64 MiB in all)"; exit 1; }

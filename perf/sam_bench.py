@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
              f"from {Path(engine_meta['checkpoint']).name}, device {device}, one instance; batch_window "
              f"{params.get('batch_window', 'triton')}, up to {params.get('max_prompts', 1)} requests per engine call: "
              f"{per_call:.1f} on average over the decoder rows (our batcher's counters).",
-             "In-process batch: 16 clicks, 4 on each image, as one segment_batch (one decoder call per image size).",
+             "In-process batch: 16 clicks, 4 on each image, as one segment_batch (one decoder call: the clicks have "
+             "one length, whatever their images' sizes).",
              f"A cache hit makes a click {latency['first click'] / latency['second click']:.1f}x faster in process "
              f"({latency['first click']:.1f} ms -> {latency['second click']:.1f} ms, median over "
              f"{len(images)} images x 5).", *notes]

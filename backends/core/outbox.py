@@ -26,6 +26,7 @@ class _Message:
     response: object = None
     final: bool = False
     finish_reason: str | None = None  # of a final text delta
+    arrive: Callable[[], None] | None = None  # a barrier (send_after_queued): called instead of sending
 
 
 class Outbox:
@@ -58,6 +59,20 @@ class Outbox:
     def send(self, sender, response=None, final: bool = True) -> None:
         """A response as it is (an error, a JSON answer), or with `response` None only the final flag."""
         self._shard(sender, final).send(sender, response, final)
+
+    def send_after_queued(self, sender, response) -> None:
+        """`response` as a final one, once every thread has sent what was queued before it: an answer that must
+        follow other streams' responses (an adapter's unload, after its last stream's tokens)."""
+        remaining, lock = [len(self._shards)], threading.Lock()
+
+        def arrive() -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._shards[0].deliver(_Message(sender, None, response, final=True))
+        for shard in self._shards:
+            shard.barrier(arrive)
 
     def watch(self, sender, request, key: Hashable) -> None:
         """Poll `request.is_cancelled()` until the stream's final response is sent; a cancellation reports `key`."""
@@ -101,6 +116,9 @@ class _OutboxThread:
     def send(self, sender, response=None, final: bool = True) -> None:
         self._post(_Message(sender, None, response, final))
 
+    def barrier(self, arrive: Callable[[], None]) -> None:
+        self._post(_Message(None, None, arrive=arrive))
+
     def watch(self, sender, request, key: Hashable) -> None:
         with self._lock:
             self._to_watch.append((sender, request, key))
@@ -129,7 +147,7 @@ class _OutboxThread:
                 self._messages.append(message)
                 self._lock.notify()
                 return
-        self._deliver(message)  # after `close`: on the caller's thread
+        self.deliver(message)  # after `close`: on the caller's thread
 
     # --- the outbox thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -145,7 +163,7 @@ class _OutboxThread:
             for sender, request, key in to_watch:
                 self._watched[id(sender)] = (request, key)
             for message in merge_deltas(messages):
-                self._deliver(message)
+                self.deliver(message)
             if closing and not messages:
                 return
             if metrics is not None:
@@ -154,7 +172,10 @@ class _OutboxThread:
                 self._poll_cancelled()
                 last_poll = time.monotonic()
 
-    def _deliver(self, message: _Message) -> None:
+    def deliver(self, message: _Message) -> None:
+        if message.arrive is not None:
+            message.arrive()
+            return
         response = self._text_response(message.text, message.finish_reason) if message.text is not None \
             else message.response
         flags = self._final_flag if message.final else 0

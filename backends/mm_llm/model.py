@@ -342,7 +342,8 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
                 self._send_unloaded(unload)
 
     def _send_unloaded(self, unload: Unloading) -> None:
-        self.outbox.send(unload.sender, self._text(json.dumps({"unloaded": unload.adapter.name})))
+        # after the responses already queued: the adapter's last stream's tokens may sit on another outbox thread
+        self.outbox.send_after_queued(unload.sender, self._text(json.dumps({"unloaded": unload.adapter.name})))
 
     def _drop_cancelled(self) -> None:
         for seq in self.outbox.cancelled():

@@ -1,5 +1,6 @@
 """backends/core/outbox.py: responses leave in each stream's order, deltas that queue up merge, finals end the
-polling of cancellation, a failing send does not stop the outbox, and nothing queued is lost at close."""
+polling of cancellation, a failing send does not stop the outbox, nothing queued is lost at close, and an answer sent
+after what is queued follows every thread's earlier responses."""
 import threading
 import time
 
@@ -120,3 +121,27 @@ def test_with_several_threads_each_stream_keeps_its_order_and_cancellations_come
         assert "".join(r[1] for r, _ in sender.sent) == "".join(f"{step}," for step in range(20))
         assert [flags for _, flags in sender.sent][-1] == FINAL and len(sender.threads) == 1
     assert len({t for sender, _ in streams for t in sender.threads}) == 3
+
+
+def test_an_answer_sent_after_queued_follows_every_thread_s_earlier_responses():
+    box, order = outbox(threads=2), []
+
+    class Ordered(Sender):
+        def __init__(self, name: str, delay_s: float = 0.0):
+            super().__init__(delay_s)
+            self.name = name
+
+        def send(self, response=None, flags=0):
+            super().send(response, flags)
+            order.append((self.name, response))
+    slow, other, unload = Ordered("slow", delay_s=0.02), Ordered("other"), Ordered("unload")
+    box.text(slow, "a")  # new streams take the threads in turn: slow's the first, other's the second, the one-off
+    box.text(other, "b")  # answer to other2 the first, so a plain send of unload's answer would take the second,
+    box.send(Ordered("other2"), "x")  # idle while slow's sends still queue on the first
+    for word in "cdef":
+        box.text(slow, word)
+    box.text(slow, "", final=True)
+    box.send_after_queued(unload, "unloaded")
+    wait_for(lambda: len(unload.sent) == 1 and bool(slow.sent) and slow.sent[-1][1] == FINAL)
+    assert order[-1] == ("unload", "unloaded") and unload.sent == [("unloaded", FINAL)]
+    box.close()

@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
              "(no LoRA) stays loaded beside each LoRA engine and runs the same load right before and right after it "
              "(\"of base\": over their mean), since these figures drift between engines of one run.",
              f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
-             f"{per_adapter / 2**20:.0f} MiB each in bf16. Every slot's product is computed for every row "
-             "(backends/llm/lora.py), so an engine with S slots reads S adapters' weights each step, used or not."]
+             f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 rows "
+             "(backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
+             "none."]
     path = write_table(args.results / args.host, args.scenario, columns, rows, hardware_line("n/a (in-process)"), notes)
     print(path.read_text())
     return 0

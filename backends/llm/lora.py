@@ -1,23 +1,22 @@
 """LoRA in the engine: adapters' weights in fixed device slots, and the product that adds them to a mixed batch.
 
 Each of a layer's projections holds, for every slot, A [r_max, in] per part (q|k|v and gate|up are fused in the
-engine, so their parts are stacked) and B [r_max, out] per part; ranks below r_max are padded with zeros, which add
-nothing. A step gives each token row up to two (slot, weight) pairs, the weight being the adapter's alpha/r times its
-share (1, or the router's mix); rows without an adapter have weight 0. The layer then adds, for every row,
-sum over slots of W[row, slot] * (x A_slot^T) B_slot: one matmul over all slots' A, a mask of the rows' weights, one
-matmul per part over all slots' B added in place into the projection's output. So the base matmul runs once for the
-batch, any mix of adapters shares a step, and the shapes never change: CUDA graphs captured once stay valid while
-adapters come and go in the slots.
-
-Computing every slot for every row costs `slots` times the arithmetic of one adapter (small beside the base matmul
-at ranks up to 64) and reads every slot's weights each step, used or not.
+engine, so their parts are stacked) and B [r_max, out] with the parts side by side; ranks below r_max are padded with
+zeros, which add nothing. A step gives each token row up to two (slot, weight) pairs, the weight being the adapter's
+alpha/r times its share (1, or the router's mix). The base matmul runs once for the batch; then the rows with
+adapters, grouped by their pairs into tiles of up to 16 rows (`plan_tiles`), get w (x A^T) B added into the
+projection's output, each tile reading its adapters once (backends/llm/lora_kernels.py on a GPU, a loop over the
+tiles elsewhere). Rows without adapters cost nothing, and a step's cost follows the adapters it uses, not the slots.
+The tiles live in fixed-size buffers and the kernels read their number on the device, so CUDA graphs captured once
+stay valid while adapters come and go in the slots.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from backends.llm.adapters import LoraAdapter, projection_shapes
@@ -27,26 +26,65 @@ from backends.llm.model import ModelArgs
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"),
          "down_proj": ("down_proj",)}
 MIXED = 2  # adapters one row may combine (Top-2 routing)
+TILE_ROWS = 16  # rows of a tile (the kernels' block of rows)
+
+
+@dataclass
+class LoraPlan:
+    """A step's rows with adapters, tile after tile: perm [rows] (row indices), tiles [n, 4] (start in perm, rows,
+    slot of adapter 0, slot of adapter 1), weights [n, MIXED] (0: no second adapter)."""
+
+    perm: np.ndarray
+    tiles: np.ndarray
+    weights: np.ndarray
+
+
+def plan_tiles(segments: Iterable[tuple[int, int, list[int], list[float]]]) -> LoraPlan:
+    """Tiles of `segments` = (first row, rows, slots, weights) runs of rows with the same adapters. Rows with equal
+    (slots, weights) share tiles, so one adapter's rows across sequences are read with its weights once a tile."""
+    groups: dict[tuple, list[np.ndarray]] = {}
+    for first, count, slots, weights in segments:
+        pairs = [(s, w) for s, w in zip(slots, weights) if w]
+        if pairs:
+            key = tuple(pairs + [(0, 0.0)] * (MIXED - len(pairs)))
+            groups.setdefault(key, []).append(np.arange(first, first + count))
+    perm, tiles, weights = [], [], []
+    done = 0
+    for key, runs in groups.items():
+        rows = np.concatenate(runs)
+        for start in range(0, len(rows), TILE_ROWS):
+            tiles.append([done + start, min(TILE_ROWS, len(rows) - start)] + [s for s, _ in key])
+            weights.append([w for _, w in key])
+        perm.append(rows)
+        done += len(rows)
+    return LoraPlan(np.concatenate(perm) if perm else np.zeros(0, np.int64),
+                    np.array(tiles, np.int64).reshape(-1, 2 + MIXED), np.array(weights, np.float32).reshape(-1, MIXED))
 
 
 @dataclass
 class ProjectionSlots:
-    """One projection's slots: a [parts, S, r_max, in], b[part] [S, r_max, out_part]."""
+    """One projection's slots: a [parts, S, r_max, in], b [S, r_max, out] (the parts' columns side by side)."""
 
     a: torch.Tensor
-    b: list[torch.Tensor]
+    b: torch.Tensor
+    widths: tuple[int, ...]
 
-    def add_to(self, out: torch.Tensor, x: torch.Tensor, mix: torch.Tensor) -> None:
-        """out [T, out] += each row's adapter products, weighted by mix [T, S]. The parts' products
-        are added into their column ranges of `out` in place, so a projection costs 2 + parts kernels."""
-        parts, slots, rank, n_in = self.a.shape
-        xa = (x @ self.a.view(-1, n_in).t()).view(-1, parts, slots, rank) * mix[:, None, :, None]
-        xa = xa.view(-1, parts, slots * rank)
-        start = 0
-        for p, b in enumerate(self.b):
-            width = b.shape[-1]
-            out[:, start:start + width].addmm_(xa[:, p], b.view(slots * rank, width))
-            start += width
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, step: LoraStep) -> None:
+        """out [T, out] += each tiled row's w (x A^T) B, in place."""
+        if out.is_cuda:
+            from backends.llm.lora_kernels import add_lora
+
+            add_lora(out, x, self.a, self.b, self.widths, step.perm, step.tiles, step.weights, step.tile_count)
+            return
+        bounds = np.cumsum((0,) + self.widths)
+        for (start, count, *slots), weights in zip(step.tiles[:int(step.tile_count)].tolist(), step.weights.tolist()):
+            rows = step.perm[start:start + count]
+            xs, delta = x[rows], torch.zeros(count, out.shape[1], dtype=out.dtype)
+            for slot, weight in zip(slots, weights):
+                for part in range(len(self.widths)) if weight else ():
+                    cols = slice(bounds[part], bounds[part + 1])
+                    delta[:, cols] += (weight * (xs @ self.a[part, slot].t())) @ self.b[slot, :, cols]
+            out[rows] += delta
 
 
 class LoraSlots:
@@ -60,45 +98,44 @@ class LoraSlots:
             layer = {}
             for name, modules in PARTS.items():
                 n_in = shapes[modules[0]][0]
+                widths = tuple(shapes[m][1] for m in modules)
                 layer[name] = ProjectionSlots(
                     torch.zeros(len(modules), num_slots, max_rank, n_in, dtype=dtype, device=device),
-                    [torch.zeros(num_slots, max_rank, shapes[m][1], dtype=dtype, device=device) for m in modules])
+                    torch.zeros(num_slots, max_rank, sum(widths), dtype=dtype, device=device), widths)
             self.layers.append(layer)
-        self.where = {m: (name, p) for name, modules in PARTS.items() for p, m in enumerate(modules)}
+        # PEFT module -> (fused projection, part, its first output column)
+        self.where = {m: (name, p, sum(shapes[n][1] for n in modules[:p]))
+                      for name, modules in PARTS.items() for p, m in enumerate(modules)}
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` in `slot` (what the slot held before is overwritten; untargeted projections become 0)."""
         for layer in self.layers:
             for projection in layer.values():
                 projection.a[:, slot].zero_()
-                for b in projection.b:
-                    b[slot].zero_()
+                projection.b[slot].zero_()
         for (index, module), (a, b) in adapter.weights.items():
-            name, part = self.where[module]
+            name, part, first = self.where[module]
             projection = self.layers[index][name]
             projection.a[part, slot, :adapter.rank].copy_(a, non_blocking=True)
-            projection.b[part][slot, :adapter.rank].copy_(b.t(), non_blocking=True)
+            projection.b[slot, :adapter.rank, first:first + b.shape[0]].copy_(b.t(), non_blocking=True)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.nbytes + sum(b.nbytes for b in p.b) for layer in self.layers for p in layer.values())
+        return sum(p.a.nbytes + p.b.nbytes for layer in self.layers for p in layer.values())
 
 
 @dataclass
 class LoraStep:
-    """The adapters of one step's token rows: slots [T, MIXED] and weights [T, MIXED] (0: no adapter)."""
+    """The adapters of one step's token rows as tiles (see LoraPlan), on the step's device: perm, tiles and weights
+    may be longer than needed (fixed buffers of a graph); tile_count [1] says how many tiles are in use."""
 
     slots: LoraSlots
-    rows_slot: torch.Tensor
-    rows_weight: torch.Tensor
-
-    def __post_init__(self):
-        # [T, S]: every row's weight per slot, made once per step and shared by every projection
-        self.mix = torch.zeros(self.rows_slot.shape[0], self.slots.num_slots, device=self.rows_slot.device,
-                               dtype=torch.float32).scatter_add_(1, self.rows_slot, self.rows_weight)
-        self.mix = self.mix.to(self.slots.dtype)
+    perm: torch.Tensor
+    tiles: torch.Tensor
+    weights: torch.Tensor
+    tile_count: torch.Tensor
 
     def layer(self, index: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
         """Projection name -> (out, x) -> out += its adapter products, for layer `index`."""
-        return {name: functools.partial(projection.add_to, mix=self.mix)
+        return {name: functools.partial(projection.add_to, step=self)
                 for name, projection in self.slots.layers[index].items()}

@@ -8,8 +8,8 @@ Decode steps run with fixed shapes: the rows are padded to a bucket (1, 2, 4, ..
 a power-of-two number of blocks; padded rows write and read only the scratch block. On CUDA each (batch, blocks)
 shape is captured once as a CUDA graph and replayed, so a step costs its kernels' time, not thousands of launches.
 On the CPU the same padded path runs eagerly (which is how the tests check it). With LoRA slots, every step hands
-the model each token row's adapters (slots and weights; backends/llm/lora.py); decode graphs read them from static
-buffers like the token ids.
+the model its rows' adapters as tiles (backends/llm/lora.py); decode graphs read them from static buffers like the
+token ids.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from backends.llm.attention import AttentionMetadata, decode_kernel
 from backends.llm.kv_cache import SCRATCH_BLOCK, BlockManager
-from backends.llm.lora import MIXED, LoraSlots, LoraStep
+from backends.llm.lora import MIXED, LoraSlots, LoraStep, plan_tiles
 from backends.llm.model import DecoderModel
 from backends.llm.sequence import Sequence
 
@@ -44,17 +44,19 @@ class ModelRunner:
         self.decode_kernel = decode_kernel(self.device) if paged_decode else None  # None: gather + SDPA
         self.max_batch, self.max_blocks = bucket(max_batch), bucket(-(-max_context // blocks.block_size))
         self.capture = capture
-        # static decode inputs sized for the largest bucket, in one buffer (ids | positions | slots | adapter slots |
-        # block tables): a step fills its host mirror and sends it in one copy; graphs read the device views in place
+        # static decode inputs sized for the largest bucket, in one buffer (ids | positions | slots | LoRA rows |
+        # LoRA tiles | their number | block tables): a step fills its host mirror and sends it in one copy; graphs read
+        # the device views in place. A step has at most one LoRA tile a row.
         b, pinned = self.max_batch, self.device.type == "cuda"
-        self.tables_at = (3 + MIXED) * b
+        self.tables_at = 8 * b + 1
         size = self.tables_at + b * self.max_blocks
         self.staged = torch.full((size,), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.ids, self.positions, self.slots = self.staged[:b], self.staged[b:2 * b], self.staged[2 * b:3 * b]
-        self.lora_slots = self.staged[3 * b:self.tables_at].view(b, MIXED)
+        self.lora_perm, self.lora_tiles = self.staged[3 * b:4 * b], self.staged[4 * b:8 * b].view(b, 2 + MIXED)
+        self.lora_tile_count = self.staged[8 * b:self.tables_at]
         self.tables = self.staged[self.tables_at:].view(b, self.max_blocks)
-        self.lora_weights = torch.zeros(b, MIXED, device=self.device)  # and their weights, in a float buffer
+        self.lora_weights = torch.zeros(b, MIXED, device=self.device)  # the tiles' weights, in a float buffer
         self.host_weights = torch.zeros(b, MIXED, pin_memory=pinned)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -102,12 +104,11 @@ class ModelRunner:
         sequence has any."""
         if self.lora is None or not any(s.lora for s in seqs):
             return None
-        rows = [lora_row(seq) for seq in seqs]  # one per sequence, repeated for its tokens on the device
         counts = counts or [seq.step_tokens for seq in seqs]
-        repeats, total = self.tensor(counts), sum(counts)
-        return LoraStep(self.lora, self.tensor([s for s, _ in rows]).repeat_interleave(repeats, 0, output_size=total),
-                        self.tensor([w for _, w in rows], torch.float32).repeat_interleave(repeats, 0,
-                                                                                          output_size=total))
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        plan = plan_tiles((first, count, *lora_row(seq)) for first, count, seq in zip(firsts, counts, seqs) if seq.lora)
+        return LoraStep(self.lora, self.tensor(plan.perm), self.tensor(plan.tiles),
+                        self.tensor(plan.weights, torch.float32), self.tensor([len(plan.tiles)]))
 
     def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Every uncached token of each sequence (its newest one, or more after a rollback in a draft's cache), then
@@ -137,13 +138,15 @@ class ModelRunner:
         tables[:, :width] = SCRATCH_BLOCK
         for row, (seq, _) in zip(tables, rows):
             row[:len(seq.block_table)] = seq.block_table
-        if self.lora is not None:  # rows without adapters (and padded rows) have weight 0
-            lora_slots, weights = host[3 * b:self.tables_at].reshape(b, MIXED), self.host_weights.numpy()
-            weights[:batch] = 0
-            for i, (seq, _) in enumerate(rows):
-                if seq.lora:
-                    lora_slots[i], weights[i] = lora_row(seq)
-            self.lora_weights[:batch].copy_(self.host_weights[:batch], non_blocking=True)
+        if self.lora is not None:  # rows without adapters (and padded rows) are in no tile
+            plan = plan_tiles((i, 1, *lora_row(seq)) for i, (seq, _) in enumerate(rows) if seq.lora)
+            tiles = len(plan.tiles)
+            host[3 * b:3 * b + len(plan.perm)] = plan.perm
+            host[4 * b:4 * b + tiles * (2 + MIXED)] = plan.tiles.ravel()
+            host[8 * b] = tiles
+            if tiles:
+                self.host_weights[:tiles] = torch.from_numpy(plan.weights)
+                self.lora_weights[:tiles].copy_(self.host_weights[:tiles], non_blocking=True)
         used = self.tables_at + batch * self.max_blocks  # one host-to-device copy (asynchronous from pinned memory)
         self.staged[:used].copy_(self.host[:used], non_blocking=True)
         if ids is not None:
@@ -174,7 +177,8 @@ class ModelRunner:
     def forward_static(self, batch: int, width: int) -> torch.Tensor:
         meta = AttentionMetadata(self.slots[:batch], self.tables[:batch, :width], self.positions[:batch, None], None,
                                  width * self.blocks.block_size, decode_kernel=self.decode_kernel)
-        lora = None if self.lora is None else LoraStep(self.lora, self.lora_slots[:batch], self.lora_weights[:batch])
+        lora = None if self.lora is None else LoraStep(self.lora, self.lora_perm[:batch], self.lora_tiles[:batch],
+                                                       self.lora_weights[:batch], self.lora_tile_count)
         return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta, lora=lora))
 
     def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -19,6 +19,10 @@ GEMV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scal
                  "lock_ptr": "*i32"}
 
 
+LORA_POINTERS = {"perm_ptr": "*i64", "tiles_ptr": "*i64", "weights_ptr": "*fp32", "tile_count_ptr": "*i64",
+                 "xa_ptr": "*fp32"}
+
+
 def gemv(fp8: bool, quantized: bool, split_k: int, pdl: bool, residual: bool) -> tuple:
     return ("backends.llm.gemv", "_gemv_kernel", {**GEMV_POINTERS, "w_ptr": "*fp8e4nv" if fp8 else "*bf16"},
             {"N": "i32"}, dict(K=4096, FP8=fp8, QUANTIZED=quantized, STATIC=False, HAS_BIAS=False,
@@ -59,6 +63,14 @@ CASES = {
                         {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
                          "out_ptr": "*bf16"}, {"M": "i32", "N": "i32", "K": "i32", "ITERS": "i32"},
                         dict(HAS_BIAS=False, IEEE=False, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4)),
+    "lora-shrink": ("backends.llm.lora_kernels", "_shrink_kernel", {**LORA_POINTERS, "x_ptr": "*bf16", "a_ptr": "*bf16"},
+                    {"rows_total": "i32", "stride_x": "i32"},
+                    dict(K=4096, R=16, SLOTS=64, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BK=128, K_SPLIT=1024,
+                         PRECISION="tf32")),
+    "lora-expand": ("backends.llm.lora_kernels", "_expand_kernel",
+                    {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"}, {"rows_total": "i32", "stride_out": "i32"},
+                    dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=128,
+                         PRECISION="tf32")),
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from backends.llm.adapter_cache import AdapterCache
 from backends.llm.adapters import AdapterNotFound, LoraAdapter, load_router
 from backends.llm.engine import EngineConfig, LLMEngine
-from backends.llm.lora import LoraSlots, LoraStep
+from backends.llm.lora import LoraSlots, LoraStep, plan_tiles
 from backends.llm.model import ModelArgs
 from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import tiny_checkpoint
@@ -197,6 +197,13 @@ def test_unload_refuses_new_requests_and_lets_running_ones_finish(base, root, pe
         engine.choose_adapters("delta", PROMPTS[0])
 
 
+def step_of(slots: LoraSlots, rows: list[tuple[list[int], list[float]]], device="cpu") -> LoraStep:
+    """The step whose row i uses the adapters rows[i] = (slots, weights) (weights 0: none)."""
+    plan = plan_tiles((i, 1, s, w) for i, (s, w) in enumerate(rows))
+    return LoraStep(slots, *(torch.from_numpy(t).to(device) for t in (plan.perm, plan.tiles, plan.weights)),
+                    torch.tensor([len(plan.tiles)], device=device))
+
+
 def test_the_slot_product_equals_each_rows_own_adapter(base):
     """ProjectionSlots.add_to against x A^T B^T per row, for fused parts, padded ranks and a two-adapter mix."""
     args = ModelArgs.from_checkpoint(base)
@@ -210,8 +217,7 @@ def test_the_slot_product_equals_each_rows_own_adapter(base):
                           for m, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))}
         slots.write(index, LoraAdapter(f"a{index}", rank, 1.0, {(0, m): ab for m, ab in weights[index].items()}))
     x = torch.randn(4, args.hidden_size, dtype=torch.float64)
-    step = LoraStep(slots, torch.tensor([[0, 0], [1, 0], [2, 1], [0, 0]]),
-                    torch.tensor([[0.5, 0.0], [2.0, 0.0], [0.25, 0.75], [0.0, 0.0]]))
+    step = step_of(slots, [([0, 0], [0.5, 0.0]), ([1, 0], [2.0, 0.0]), ([2, 1], [0.25, 0.75]), ([0, 0], [0.0, 0.0])])
     base = torch.randn(4, q + 2 * kv, dtype=torch.float64)
     got = base.clone()
     step.layer(0)["qkv_proj"](got, x)
@@ -221,6 +227,55 @@ def test_the_slot_product_equals_each_rows_own_adapter(base):
     expected = base + torch.stack([0.5 * own(0, 0), 2.0 * own(1, 1), 0.25 * own(2, 2) + 0.75 * own(2, 1),
                                    torch.zeros(q + 2 * kv, dtype=torch.float64)])
     torch.testing.assert_close(got, expected)
+
+
+def test_tiles_group_rows_by_their_adapters_and_skip_rows_without():
+    """Rows with equal (slots, weights) share tiles of at most TILE_ROWS rows, in first-seen order."""
+    rows = [([1, 0], [1.0, 0.0])] * 20 + [([0, 0], [0.0, 0.0])] + [([2, 1], [0.5, 0.5]), ([1, 0], [1.0, 0.0])]
+    plan = plan_tiles((i, 1, s, w) for i, (s, w) in enumerate(rows))
+    assert plan.tiles.tolist() == [[0, 16, 1, 0], [16, 5, 1, 0], [21, 1, 2, 1]]
+    assert plan.weights.tolist() == [[1.0, 0.0], [1.0, 0.0], [0.5, 0.5]]
+    assert plan.perm.tolist() == list(range(20)) + [22, 21]
+    run = plan_tiles([(3, 40, [1, 0], [2.0, 0.0])])  # a prefill: one run of 40 rows
+    assert run.tiles[:, :2].tolist() == [[0, 16], [16, 16], [32, 8]] and run.perm.tolist() == list(range(3, 43))
+
+
+@pytest.mark.parametrize("k_split,programs,dtype", [(1024, 64, torch.float32), (32, 3, torch.float32)]
+                         + ([(1024, 1056, torch.bfloat16)] if torch.cuda.is_available() else []))
+def test_lora_kernels_equal_each_rows_own_adapters(monkeypatch, k_split, programs, dtype):
+    """backends/llm/lora_kernels.py (Triton's interpreter here; the compiled kernel on a GPU) against x A^T B per row:
+    shared and distinct adapters, tiles of several rows, a two-adapter mix, rows without adapters, padded ranks,
+    parts whose widths are not multiples of the column block, K in several splits, fewer programs than work; on a GPU
+    also in bf16 (the engine's dtype), against the fp32 reference within bf16's rounding."""
+    import backends.llm.lora_kernels as kernels
+
+    monkeypatch.setattr(kernels, "K_SPLIT", k_split)
+    monkeypatch.setattr(kernels, "BLOCK_K", min(kernels.BLOCK_K, k_split))
+    monkeypatch.setattr(kernels, "programs", lambda device: programs)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    n_in, widths, num_slots, r_max = 96, (160, 48, 48), 4, 8
+    a = torch.zeros(len(widths), num_slots, r_max, n_in)
+    b = torch.zeros(num_slots, r_max, sum(widths))
+    for slot, rank in enumerate((8, 3, 5, 8)):
+        a[:, slot, :rank] = torch.randn(len(widths), rank, n_in, generator=g) / n_in ** 0.5
+        b[slot, :rank] = torch.randn(rank, sum(widths), generator=g)
+    rows = [([i % 2, 0], [1.0 + i % 2, 0.0]) for i in range(19)] + [([3, 2], [0.25, 0.75]), ([0, 0], [0.0, 0.0])] \
+        + [([2, 0], [0.5, 0.0])] * 3
+    x = torch.randn(len(rows), n_in, generator=g)
+    out = torch.randn(len(rows), sum(widths), generator=g)
+    expected = out.clone()
+    for i, (slots, weights) in enumerate(rows):
+        for slot, weight in zip(slots, weights):
+            expected[i] += weight * torch.cat([x[i] @ a[p, slot].t() for p in range(len(widths))]
+                                              ).view(len(widths), r_max).flatten() @ torch.block_diag(
+                *[b[slot, :, sum(widths[:p]):sum(widths[:p + 1])] for p in range(len(widths))])
+    step = step_of(None, rows, device)
+    got = out.to(device, dtype)
+    kernels.add_lora(got, *(t.to(device, dtype) for t in (x, a, b)), widths, step.perm, step.tiles, step.weights,
+                     step.tile_count)
+    exact = dtype == torch.float32
+    torch.testing.assert_close(got.float().cpu(), expected, rtol=1e-5 if exact else 2e-2, atol=1e-4 if exact else 0.1)
 
 
 def test_speculation_keeps_each_rows_adapter_tokens(base, root, peft_greedy):

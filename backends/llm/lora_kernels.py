@@ -1,0 +1,127 @@
+"""Triton kernels that add LoRA products to a step's rows reading only the adapters the step uses (segmented GEMV).
+
+A step's rows with adapters are grouped by their (slots, weights) and cut into tiles of up to TILE_ROWS rows
+(backends/llm/lora.py plans them on the host): `perm` lists the rows tile after tile, and each tile row holds
+(start in perm, rows, slot of adapter 0, slot of adapter 1) with the two weights beside it. Rows without adapters are
+in no tile and cost nothing. `shrink` writes xa = w * x A^T for each tile's rows, in K splits (fp32 partial sums);
+`expand` sums the splits and adds xa B into the projection's output in place. One tile reads its adapter's weights
+once for all its rows, so a batch of 64 rows with one adapter reads it 4 times, and 64 rows with 64 adapters read each
+once. The kernels are persistent over a fixed number of programs and read the number of tiles from the device: under
+a CUDA graph captured once, a step with any number of tiles runs only their work.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+TILE_ROWS = 16  # rows of one tile (tl.dot needs at least 16)
+K_SPLIT = 1024  # input features of one shrink work item
+BLOCK_K = 128
+BLOCK_N = 128  # output features of one expand work item
+PROGRAMS_PER_SM = 8
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, xa_ptr, rows_total, stride_x,
+                   K: tl.constexpr, R: tl.constexpr, SLOTS: tl.constexpr, PARTS: tl.constexpr, SPLITS: tl.constexpr,
+                   MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr, BK: tl.constexpr,
+                   K_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """Work item (tile, part, split): xa[split, row, j, part, :] = w_j * x[row, split's K] A[part, slot_j]^T."""
+    m, r, ks = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BK)
+    items = tl.load(tile_count_ptr) * (PARTS * SPLITS)
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        tile = item // (PARTS * SPLITS)
+        part = (item // SPLITS) % PARTS
+        split = item % SPLITS
+        start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
+        in_tile = m < count
+        rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
+        for j in tl.static_range(MIXED):
+            w = tl.load(weights_ptr + tile * MIXED + j)
+            if w != 0:
+                a_rows = a_ptr + ((part * SLOTS + tl.load(tiles_ptr + tile * 4 + 2 + j)) * R + r[None, :]) * K
+                acc = tl.zeros([BM, R_PAD], dtype=tl.float32)
+                for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, BK):
+                    k = k0 + ks
+                    xk = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
+                                 mask=in_tile[:, None] & (k < K)[None, :], other=0.0)
+                    ak = tl.load(a_rows + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None], other=0.0)
+                    acc = tl.dot(xk, ak, acc, input_precision=PRECISION)
+                out = xa_ptr + (((split * rows_total + rows[:, None]) * MIXED + j) * PARTS + part) * R_PAD + r[None, :]
+                tl.store(out, acc * w, mask=in_tile[:, None])
+
+
+@triton.jit
+def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total, stride_out,
+                   W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr, PARTS: tl.constexpr,
+                   SPLITS: tl.constexpr, MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr,
+                   BN: tl.constexpr, PRECISION: tl.constexpr):
+    """Work item (tile, column block of one part): out[rows, block] += sum_j xa[rows, j, part] B[slot_j][:, block].
+    B holds the parts side by side ([slots, R, W0 + W1 + W2]); a column block never spans two parts."""
+    T0: tl.constexpr = (W0 + BN - 1) // BN
+    T1: tl.constexpr = (W1 + BN - 1) // BN
+    NT: tl.constexpr = T0 + T1 + (W2 + BN - 1) // BN
+    WIDTH: tl.constexpr = W0 + W1 + W2
+    m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
+    items = tl.load(tile_count_ptr) * NT
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        tile, block = item // NT, item % NT
+        part = tl.where(block >= T0 + T1, 2, tl.where(block >= T0, 1, 0))
+        first = tl.where(part == 0, 0, tl.where(part == 1, T0, T0 + T1))  # the part's first block
+        col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
+        end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, WIDTH))
+        cols = col0 + (block - first) * BN + n
+        start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
+        in_tile = m < count
+        rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for j in tl.static_range(MIXED):
+            w = tl.load(weights_ptr + tile * MIXED + j)
+            if w != 0:
+                xa = tl.zeros([BM, R_PAD], dtype=tl.float32)
+                for split in tl.static_range(SPLITS):
+                    xa += tl.load(xa_ptr + (((split * rows_total + rows[:, None]) * MIXED + j) * PARTS + part) * R_PAD
+                                  + r[None, :], mask=in_tile[:, None], other=0.0)
+                slot = tl.load(tiles_ptr + tile * 4 + 2 + j)
+                b = tl.load(b_ptr + (slot * R + r[:, None]) * WIDTH + cols[None, :],
+                            mask=(r < R)[:, None] & (cols < end)[None, :], other=0.0)
+                acc = tl.dot(xa.to(b.dtype), b, acc, input_precision=PRECISION)
+        mask = in_tile[:, None] & (cols < end)[None, :]
+        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def programs(device: torch.device) -> int:
+    """Enough resident programs to keep every SM's memory requests in flight."""
+    if device.type != "cuda":
+        return 64
+    return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...],
+             perm: torch.Tensor, tiles: torch.Tensor, weights: torch.Tensor, tile_count: torch.Tensor) -> None:
+    """out [T, sum(widths)] += each tiled row's adapter products. a [parts, slots, R, K], b [slots, R, sum(widths)];
+    perm [>= rows in tiles], tiles [max_tiles, 4], weights [max_tiles, MIXED]; tile_count [1]: tiles in use (read
+    on the device; at most max_tiles)."""
+    parts, slots, rank, k = a.shape
+    rows_total, mixed, max_tiles = x.shape[0], weights.shape[1], tiles.shape[0]
+    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(k)))
+    k_split = min(K_SPLIT, triton.cdiv(k, block_k) * block_k)
+    splits = triton.cdiv(k, k_split)
+    r_pad = max(16, triton.next_power_of_2(rank))
+    xa = torch.empty(splits, rows_total, mixed, parts, r_pad, dtype=torch.float32, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    cap = programs(x.device)
+    _shrink_kernel[(min(cap, max_tiles * parts * splits),)](
+        x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
+        SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BK=block_k, K_SPLIT=k_split, PRECISION=precision)
+    w0, w1, w2 = (tuple(widths) + (0, 0))[:3]
+    blocks = sum(triton.cdiv(w, BLOCK_N) for w in widths)
+    _expand_kernel[(min(cap, max_tiles * blocks),)](
+        xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=rank,
+        PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=BLOCK_N, PRECISION=precision)

@@ -6,8 +6,8 @@ A step's rows with adapters are grouped by their (slots, weights) and cut into t
 in no tile and cost nothing. `shrink` writes xa = w * x A^T for each tile's rows, in K splits (fp32 partial sums);
 `expand` sums the splits and adds xa B into the projection's output in place. One tile reads its adapter's weights
 once for all its rows, so a batch of 64 rows with one adapter reads it 4 times, and 64 rows with 64 adapters read each
-once. The kernels are persistent over a fixed number of programs and read the number of tiles from the device: under
-a CUDA graph captured once, a step with any number of tiles runs only their work.
+once. Both read the number of tiles in use from the device, so one CUDA graph serves a step with any number of tiles:
+`shrink` is persistent over a fixed number of programs, and `expand`'s programs past the last tile return at once.
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import triton.language as tl
 
 TILE_ROWS = 16  # rows of one tile (tl.dot needs at least 16)
 K_SPLIT = 1024  # input features of one shrink work item
-BLOCK_K = 128
-BLOCK_N = 128  # output features of one expand work item
+BLOCK_K = 256
+BLOCK_N = 256  # output features of one expand block
+CHUNK = 4  # expand blocks of one program
 PROGRAMS_PER_SM = 8
 
 
@@ -55,44 +56,53 @@ def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_pt
 
 
 @triton.jit
+def _tile_xa(xa_ptr, rows, in_tile, r, j, part, rows_total, PARTS: tl.constexpr, SPLITS: tl.constexpr,
+             MIXED: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr):
+    """The tile rows' xa for adapter j and one part, its K splits summed (not written, so not to be used, when the
+    tile has no adapter j)."""
+    xa = tl.zeros([BM, R_PAD], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        xa += tl.load(xa_ptr + (((split * rows_total + rows[:, None]) * MIXED + j) * PARTS + part) * R_PAD + r[None, :],
+                      mask=in_tile[:, None], other=0.0)
+    return xa
+
+
+@triton.jit
 def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total, stride_out,
                    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr, PARTS: tl.constexpr,
                    SPLITS: tl.constexpr, MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr,
-                   BN: tl.constexpr, PRECISION: tl.constexpr):
-    """Work item (tile, column block of one part): out[rows, block] += sum_j xa[rows, j, part] B[slot_j][:, block].
-    B holds the parts side by side ([slots, R, W0 + W1 + W2]); a column block never spans two parts."""
-    T0: tl.constexpr = (W0 + BN - 1) // BN
-    T1: tl.constexpr = (W1 + BN - 1) // BN
-    NT: tl.constexpr = T0 + T1 + (W2 + BN - 1) // BN
-    WIDTH: tl.constexpr = W0 + W1 + W2
-    m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
-    items = tl.load(tile_count_ptr) * NT
-    for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        tile, block = item // NT, item % NT
-        part = tl.where(block >= T0 + T1, 2, tl.where(block >= T0, 1, 0))
-        first = tl.where(part == 0, 0, tl.where(part == 1, T0, T0 + T1))  # the part's first block
+                   BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (tile, part, chunk): out[rows, the chunk's columns of the part] += sum_j xa[rows, j, part] B[slot_j].
+    The tile's rows and xa are read once, then CHUNK column blocks of BN, each reading a B block per adapter and the
+    rows' outputs. B holds the parts side by side ([slots, R, W0 + W1 + W2])."""
+    tl.static_assert(MIXED == 2)
+    tile = tl.program_id(0)
+    if tile < tl.load(tile_count_ptr):
+        part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
         col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
-        end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, WIDTH))
-        cols = col0 + (block - first) * BN + n
+        end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
+        m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
         start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
         in_tile = m < count
         rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for j in tl.static_range(MIXED):
-            w = tl.load(weights_ptr + tile * MIXED + j)
-            if w != 0:
-                xa = tl.zeros([BM, R_PAD], dtype=tl.float32)
-                for split in tl.static_range(SPLITS):
-                    xa += tl.load(xa_ptr + (((split * rows_total + rows[:, None]) * MIXED + j) * PARTS + part) * R_PAD
-                                  + r[None, :], mask=in_tile[:, None], other=0.0)
-                slot = tl.load(tiles_ptr + tile * 4 + 2 + j)
-                b = tl.load(b_ptr + (slot * R + r[:, None]) * WIDTH + cols[None, :],
-                            mask=(r < R)[:, None] & (cols < end)[None, :], other=0.0)
-                acc = tl.dot(xa.to(b.dtype), b, acc, input_precision=PRECISION)
-        mask = in_tile[:, None] & (cols < end)[None, :]
-        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
-        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+        w1 = tl.load(weights_ptr + tile * MIXED + 1)  # adapter 0 is in every tile, adapter 1 where rows mix two
+        xa0 = _tile_xa(xa_ptr, rows, in_tile, r, 0, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
+        xa1 = _tile_xa(xa_ptr, rows, in_tile, r, 1, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
+        b0 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 2) * R + r[:, None]) * (W0 + W1 + W2)
+        b1 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 3) * R + r[:, None]) * (W0 + W1 + W2)
+        for block in tl.static_range(CHUNK):
+            cols = col0 + (chunk * CHUNK + block) * BN + n
+            if col0 + (chunk * CHUNK + block) * BN < end:
+                in_part = (r < R)[:, None] & (cols < end)[None, :]
+                acc = tl.dot(xa0.to(b_ptr.dtype.element_ty), tl.load(b0 + cols[None, :], mask=in_part, other=0.0),
+                             input_precision=PRECISION)
+                if w1 != 0:
+                    acc = tl.dot(xa1.to(b_ptr.dtype.element_ty), tl.load(b1 + cols[None, :], mask=in_part, other=0.0),
+                                 acc, input_precision=PRECISION)
+                mask = in_tile[:, None] & (cols < end)[None, :]
+                out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+                total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
+                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -121,7 +131,10 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
         SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BK=block_k, K_SPLIT=k_split, PRECISION=precision)
     w0, w1, w2 = (tuple(widths) + (0, 0))[:3]
-    blocks = sum(triton.cdiv(w, BLOCK_N) for w in widths)
-    _expand_kernel[(min(cap, max_tiles * blocks),)](
+    block_n = min(BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
+    chunk = min(CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
+    chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
+    _expand_kernel[(max_tiles, parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=rank,
-        PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=BLOCK_N, PRECISION=precision)
+        PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
+        PRECISION=precision)

@@ -245,13 +245,16 @@ def test_tiles_group_rows_by_their_adapters_and_skip_rows_without():
 def test_lora_kernels_equal_each_rows_own_adapters(monkeypatch, k_split, programs, dtype):
     """backends/llm/lora_kernels.py (Triton's interpreter here; the compiled kernel on a GPU) against x A^T B per row:
     shared and distinct adapters, tiles of several rows, a two-adapter mix, rows without adapters, padded ranks,
-    parts whose widths are not multiples of the column block, K in several splits, fewer programs than work; on a GPU
-    also in bf16 (the engine's dtype), against the fp32 reference within bf16's rounding."""
+    parts whose widths are not multiples of the column block, K in several splits, fewer programs than work, several
+    column blocks a program; on a GPU also in bf16 (the engine's dtype), within bf16's rounding of the reference."""
     import backends.llm.lora_kernels as kernels
 
     monkeypatch.setattr(kernels, "K_SPLIT", k_split)
     monkeypatch.setattr(kernels, "BLOCK_K", min(kernels.BLOCK_K, k_split))
     monkeypatch.setattr(kernels, "programs", lambda device: programs)
+    if k_split < 1024:  # column blocks of 32, two a program: chunks that end inside or past a part
+        monkeypatch.setattr(kernels, "BLOCK_N", 32)
+        monkeypatch.setattr(kernels, "CHUNK", 2)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(1)
     n_in, widths, num_slots, r_max = 96, (160, 48, 48), 4, 8

@@ -25,6 +25,8 @@
 #   (perf.llm_prefill);
 #   "lora": the LoRA tests on the GPU, then 64 streams with 1, 8 and 64 distinct rank-16 adapters against the base
 #   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine);
+#   "lora_kernels": the LoRA kernels per projection of Llama-3-8B at a decode step, at a few block configurations,
+#   beside the every-slot product and the bytes' time (perf.lora_kernels);
 #   "w8a16": the FP8 GEMM / GEMV tests on the GPU, weights-only FP8 layers at 2-256 rows beside bf16, W8A8 and
 #   widened weights (perf.fp8_gemm_sweep);
 #   "fp8-engine": the FP8 GEMM and FP8 tests, then the engine on Llama-3-8B shapes in bf16, FP8 weights only (the
@@ -199,6 +201,9 @@ if [[ " ${SCENARIOS:-images} " == *" prefill "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py tests/unit/test_prefix_cache.py \
     tests/unit/test_llm_engine.py -k "not qwen2"
   "$py" -m perf.llm_prefill --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" lora_kernels "* ]]; then
+  "$py" -m perf.lora_kernels --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" lora "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_lora.py

@@ -113,28 +113,45 @@ def programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
 
 
+def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Tensor, weights: torch.Tensor,
+           tile_count: torch.Tensor, k_split: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """xa [splits, T, MIXED, parts, R_PAD] (fp32): each tiled row's w_j x A[part, slot_j]^T over each K split."""
+    parts, slots, rank, k = a.shape
+    rows_total, mixed, max_tiles = x.shape[0], weights.shape[1], tiles.shape[0]
+    block_k = min(block_k or BLOCK_K, max(16, triton.next_power_of_2(k)))
+    k_split = min(k_split or K_SPLIT, triton.cdiv(k, block_k) * block_k)
+    splits = triton.cdiv(k, k_split)
+    xa = torch.empty(splits, rows_total, mixed, parts, max(16, triton.next_power_of_2(rank)), dtype=torch.float32,
+                     device=x.device)
+    _shrink_kernel[(min(programs(x.device), max_tiles * parts * splits),)](
+        x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
+        SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=xa.shape[-1], BK=block_k, K_SPLIT=k_split,
+        PRECISION=precision(x))
+    return xa
+
+
+def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...], perm: torch.Tensor,
+           tiles: torch.Tensor, weights: torch.Tensor, tile_count: torch.Tensor, block_n: int | None = None,
+           chunk: int | None = None) -> None:
+    """out [T, sum(widths)] += xa (summed over its splits) B, for each tiled row, in place."""
+    splits, rows_total, mixed, parts, r_pad = xa.shape
+    w0, w1, w2 = (tuple(widths) + (0, 0))[:3]
+    block_n = min(block_n or BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
+    chunk = min(chunk or CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
+    chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
+    _expand_kernel[(tiles.shape[0], parts * chunks)](
+        xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
+        PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
+        PRECISION=precision(out))
+
+
+def precision(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...],
              perm: torch.Tensor, tiles: torch.Tensor, weights: torch.Tensor, tile_count: torch.Tensor) -> None:
     """out [T, sum(widths)] += each tiled row's adapter products. a [parts, slots, R, K], b [slots, R, sum(widths)];
     perm [>= rows in tiles], tiles [max_tiles, 4], weights [max_tiles, MIXED]; tile_count [1]: tiles in use (read
     on the device; at most max_tiles)."""
-    parts, slots, rank, k = a.shape
-    rows_total, mixed, max_tiles = x.shape[0], weights.shape[1], tiles.shape[0]
-    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(k)))
-    k_split = min(K_SPLIT, triton.cdiv(k, block_k) * block_k)
-    splits = triton.cdiv(k, k_split)
-    r_pad = max(16, triton.next_power_of_2(rank))
-    xa = torch.empty(splits, rows_total, mixed, parts, r_pad, dtype=torch.float32, device=x.device)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    cap = programs(x.device)
-    _shrink_kernel[(min(cap, max_tiles * parts * splits),)](
-        x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
-        SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BK=block_k, K_SPLIT=k_split, PRECISION=precision)
-    w0, w1, w2 = (tuple(widths) + (0, 0))[:3]
-    block_n = min(BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
-    chunk = min(CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
-    chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
-    _expand_kernel[(max_tiles, parts * chunks)](
-        xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=rank,
-        PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
-        PRECISION=precision)
+    expand(out, shrink(x, a, perm, tiles, weights, tile_count), b, widths, perm, tiles, weights, tile_count)

@@ -22,8 +22,8 @@ from perf.report import hardware_line, write_table
 
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
-SHRINK = [(1024, 256), (512, 128), (2048, 256), (1024, 128)]  # (K_SPLIT, BLOCK_K); the default first
-EXPAND = [(256, 4), (128, 4), (256, 1), (512, 2)]  # (BLOCK_N, CHUNK); the default first
+SHRINK = [(1024, 1024, 8), (1024, 256, 4), (2048, 1024, 8), (1024, 512, 4)]  # (K_SPLIT, BLOCK_K, warps)
+EXPAND = [(1024, 1, 8), (256, 4, 4), (512, 1, 4), (1024, 1, 4)]  # (BLOCK_N, CHUNK, warps)
 
 
 def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:
@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="gpu")
     args = parser.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    bandwidth = copy_bandwidth(device) / 2  # bytes read per second
+    bandwidth = copy_bandwidth(device)  # bytes moved per second (the engine's roofline uses it for reads alone)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 * 2**20)
-    columns = ["projection", "rows' adapters", "shrink (K split, block K)", "shrink us", "expand (block N, chunk)",
+    columns = ["projection", "rows' adapters", "shrink (K split, block K, warps)", "shrink us",
+               "expand (block N, chunk, warps)",
                "expand us", "kernels us", "every-slot product us", "adapters' bytes at copy bandwidth us"]
     rows = []
     for name, (k, widths) in PROJECTIONS.items():
@@ -76,18 +77,20 @@ def main(argv: list[str] | None = None) -> int:
                 mix[torch.arange(args.rows), step[0].new_tensor(range(args.rows)) % used] = 1
             dense = graph_time_us(lambda c, _: every_slot(out, x, *c, widths, mix), copies, None)
             floor = used * size / args.slots / bandwidth * 1e6
-            for (k_split, block_k), (block_n, chunk) in itertools.zip_longest(SHRINK, EXPAND):
+            for (k_split, block_k, s_warps), (block_n, chunk, e_warps) in itertools.zip_longest(SHRINK, EXPAND):
                 shrink_us = expand_us = None
                 if k_split:
-                    shrink_us = graph_time_us(lambda c, _: lora_kernels.shrink(x, c[0], *step, k_split, block_k),
-                                              copies, None)
+                    shrink_us = graph_time_us(
+                        lambda c, _: lora_kernels.shrink(x, c[0], *step, k_split, block_k, s_warps), copies, None)
                 if block_n:
                     xa = lora_kernels.shrink(x, copies[0][0], *step)
                     expand_us = graph_time_us(
-                        lambda c, _: lora_kernels.expand(out, xa, c[1], widths, *step, block_n, chunk), copies, None)
+                        lambda c, _: lora_kernels.expand(out, xa, c[1], widths, *step, block_n, chunk, e_warps),
+                        copies, None)
                 both = f"{shrink_us + expand_us:.1f}" if shrink_us and expand_us else ""
-                rows.append([name, case, f"{k_split} / {block_k}" if k_split else "",
-                             f"{shrink_us:.1f}" if shrink_us else "", f"{block_n} / {chunk}" if block_n else "",
+                rows.append([name, case, f"{k_split} / {block_k} / {s_warps}" if k_split else "",
+                             f"{shrink_us:.1f}" if shrink_us else "",
+                             f"{block_n} / {chunk} / {e_warps}" if block_n else "",
                              f"{expand_us:.1f}" if expand_us else "", both, f"{dense:.1f}", f"{floor:.1f}"])
                 print(" | ".join(rows[-1]), flush=True)
     notes = [f"{args.rows} rows, {args.slots} slots of rank {args.rank}, bf16; Llama-3-8B projections (qkv and "

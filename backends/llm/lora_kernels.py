@@ -19,10 +19,12 @@ import triton.language as tl
 
 TILE_ROWS = 16  # rows of one tile (tl.dot needs at least 16)
 K_SPLIT = 1024  # input features of one shrink work item
-BLOCK_K = 256
-BLOCK_N = 256  # output features of one expand block
-CHUNK = 4  # expand blocks of one program
-PROGRAMS_PER_SM = 8
+BLOCK_K = 1024  # read at once: one wide load rather than a chain of small ones
+SHRINK_WARPS = 8
+BLOCK_N = 1024  # output features of one expand block
+CHUNK = 1  # expand blocks of one program
+EXPAND_WARPS = 8
+PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -114,7 +116,8 @@ def programs(device: torch.device) -> int:
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Tensor, weights: torch.Tensor,
-           tile_count: torch.Tensor, k_split: int | None = None, block_k: int | None = None) -> torch.Tensor:
+           tile_count: torch.Tensor, k_split: int | None = None, block_k: int | None = None,
+           warps: int | None = None) -> torch.Tensor:
     """xa [splits, T, MIXED, parts, R_PAD] (fp32): each tiled row's w_j x A[part, slot_j]^T over each K split."""
     parts, slots, rank, k = a.shape
     rows_total, mixed, max_tiles = x.shape[0], weights.shape[1], tiles.shape[0]
@@ -126,13 +129,13 @@ def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Te
     _shrink_kernel[(min(programs(x.device), max_tiles * parts * splits),)](
         x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
         SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=xa.shape[-1], BK=block_k, K_SPLIT=k_split,
-        PRECISION=precision(x))
+        PRECISION=precision(x), num_warps=warps or SHRINK_WARPS)
     return xa
 
 
 def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...], perm: torch.Tensor,
            tiles: torch.Tensor, weights: torch.Tensor, tile_count: torch.Tensor, block_n: int | None = None,
-           chunk: int | None = None) -> None:
+           chunk: int | None = None, warps: int | None = None) -> None:
     """out [T, sum(widths)] += xa (summed over its splits) B, for each tiled row, in place."""
     splits, rows_total, mixed, parts, r_pad = xa.shape
     w0, w1, w2 = (tuple(widths) + (0, 0))[:3]
@@ -142,7 +145,7 @@ def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[i
     _expand_kernel[(tiles.shape[0], parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
         PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
-        PRECISION=precision(out))
+        PRECISION=precision(out), num_warps=warps or EXPAND_WARPS)
 
 
 def precision(t: torch.Tensor) -> str:

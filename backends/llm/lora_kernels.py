@@ -18,13 +18,14 @@ import triton
 import triton.language as tl
 
 TILE_ROWS = 16  # rows of one tile (tl.dot needs at least 16)
+# block configuration: the best of perf.lora_kernels' sweep on the H200 (perf/results/h200/2026-12-04-lora-kernels*)
 K_SPLIT = 1024  # input features of one shrink work item
-BLOCK_K = 1024  # read at once: one wide load rather than a chain of small ones
-SHRINK_WARPS = 8
-BLOCK_N = 1024  # output features of one expand block
-CHUNK = 1  # expand blocks of one program
-EXPAND_WARPS = 8
-PROGRAMS_PER_SM = 4
+BLOCK_K = 256
+SHRINK_WARPS = 4
+BLOCK_N = 256  # output features of one expand block
+CHUNK = 4  # expand blocks of one program
+EXPAND_WARPS = 4
+PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -60,8 +61,7 @@ def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_pt
 @triton.jit
 def _tile_xa(xa_ptr, rows, in_tile, r, j, part, rows_total, PARTS: tl.constexpr, SPLITS: tl.constexpr,
              MIXED: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr):
-    """The tile rows' xa for adapter j and one part, its K splits summed (not written, so not to be used, when the
-    tile has no adapter j)."""
+    """The tile rows' xa for adapter j and one part, its K splits summed."""
     xa = tl.zeros([BM, R_PAD], dtype=tl.float32)
     for split in tl.static_range(SPLITS):
         xa += tl.load(xa_ptr + (((split * rows_total + rows[:, None]) * MIXED + j) * PARTS + part) * R_PAD + r[None, :],
@@ -89,7 +89,9 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
         rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
         w1 = tl.load(weights_ptr + tile * MIXED + 1)  # adapter 0 is in every tile, adapter 1 where rows mix two
         xa0 = _tile_xa(xa_ptr, rows, in_tile, r, 0, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
-        xa1 = _tile_xa(xa_ptr, rows, in_tile, r, 1, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
+        xa1 = tl.zeros([BM, R_PAD], dtype=tl.float32)
+        if w1 != 0:
+            xa1 = _tile_xa(xa_ptr, rows, in_tile, r, 1, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
         b0 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 2) * R + r[:, None]) * (W0 + W1 + W2)
         b1 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 3) * R + r[:, None]) * (W0 + W1 + W2)
         for block in tl.static_range(CHUNK):

@@ -21,7 +21,7 @@ TILE_ROWS = 16  # rows of one tile (tl.dot needs at least 16)
 # block configuration: the best of perf.lora_kernels' sweep on the H200 (perf/results/h200/2026-12-04-lora-kernels*)
 K_SPLIT = 1024  # input features of one shrink work item
 BLOCK_K = 256
-SHRINK_WARPS = 4
+SHRINK_WARPS = 2
 BLOCK_N = 256  # output features of one expand block
 CHUNK = 4  # expand blocks of one program
 EXPAND_WARPS = 4

@@ -9,6 +9,7 @@ cache, so each call reads from memory as a step does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -22,9 +23,9 @@ from perf.report import hardware_line, write_table
 
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
-SHRINK = [(1024, 256, 2), (2048, 256, 4), (1024, 256, 4), (512, 256, 4), (1024, 128, 2)]  # (K_SPLIT, BLOCK_K, warps)
-EXPAND = [(256, 4, 4), (256, 8, 4), (256, 14, 4), (128, 8, 4), (128, 8, 2), (256, 4, 8), (512, 4, 4),
-          (64, 16, 2)]  # (BLOCK_N, CHUNK, warps)
+SHRINK = [{}, {"SHRINK_WARPS": 4}, {"BLOCK_K": 128}]  # the defaults, then changes to them (no spills at these)
+EXPAND = [{}, {"FEW_ROWS": 0}, {"ROWS_MAXNREG": 0}, {"ROWS_MAXNREG": 96}, {"ROWS_BLOCK_N": 512, "ROWS_WARPS": 8},
+          {"ROWS_BLOCK_N": 128, "ROWS_MAXNREG": 48}, {"ROWS_BLOCK_N": 512, "ROWS_MAXNREG": 128}]
 
 
 def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:
@@ -33,6 +34,23 @@ def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:
     plan = plan_tiles((i, 1, [s, 0], [1.0, 0.0]) for i, s in enumerate(slots))
     return (*(torch.from_numpy(t).to(device) for t in (plan.perm, plan.tiles, plan.weights)),
             torch.tensor([len(plan.tiles)], device=device))
+
+
+@contextlib.contextmanager
+def changed(settings: dict):
+    """backends/llm/lora_kernels' block configuration with `settings` changed, for the time of the block."""
+    before = {name: getattr(lora_kernels, name) for name in settings}
+    for name, value in settings.items():
+        setattr(lora_kernels, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(lora_kernels, name, value)
+
+
+def label(settings: dict | None) -> str:
+    return "" if settings is None else ", ".join(f"{k}={v}" for k, v in settings.items()) or "default"
 
 
 def every_slot(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...],
@@ -58,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = torch.device("cuda"), torch.bfloat16
     bandwidth = copy_bandwidth(device)  # bytes moved per second (the engine's roofline uses it for reads alone)
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 * 2**20)
-    columns = ["projection", "rows' adapters", "shrink (K split, block K, warps)", "shrink us",
-               "expand (block N, chunk, warps)",
-               "expand us", "kernels us", "every-slot product us", "adapters' bytes at copy bandwidth us"]
+    columns = ["projection", "rows' adapters", "shrink", "shrink us", "expand", "expand us", "kernels us",
+               "every-slot product us", "adapters' bytes at copy bandwidth us"]
     rows = []
     for name, (k, widths) in PROJECTIONS.items():
         n = sum(widths)
@@ -78,26 +95,26 @@ def main(argv: list[str] | None = None) -> int:
                 mix[torch.arange(args.rows), step[0].new_tensor(range(args.rows)) % used] = 1
             dense = graph_time_us(lambda c, _: every_slot(out, x, *c, widths, mix), copies, None)
             floor = used * size / args.slots / bandwidth * 1e6
-            configs = itertools.zip_longest(SHRINK, EXPAND, fillvalue=(None, None, None))
-            for (k_split, block_k, s_warps), (block_n, chunk, e_warps) in configs if used else [(SHRINK[0], EXPAND[0])]:
+            configs = itertools.zip_longest(SHRINK, EXPAND)
+            for shrink_changes, expand_changes in configs if used else [(SHRINK[0], EXPAND[0])]:  # none: launches
                 shrink_us = expand_us = None
-                if k_split:
-                    shrink_us = graph_time_us(
-                        lambda c, _: lora_kernels.shrink(x, c[0], *step, k_split, block_k, s_warps), copies, None)
-                if block_n:
+                if shrink_changes is not None:
+                    with changed(shrink_changes):
+                        shrink_us = graph_time_us(lambda c, _: lora_kernels.shrink(x, c[0], *step), copies, None)
+                if expand_changes is not None:
                     xa = lora_kernels.shrink(x, copies[0][0], *step)
-                    expand_us = graph_time_us(
-                        lambda c, _: lora_kernels.expand(out, xa, c[1], widths, *step, block_n, chunk, e_warps),
-                        copies, None)
+                    with changed(expand_changes):
+                        expand_us = graph_time_us(lambda c, _: lora_kernels.expand(out, xa, c[1], widths, *step),
+                                                  copies, None)
                 both = f"{shrink_us + expand_us:.1f}" if shrink_us and expand_us else ""
-                rows.append([name, case, f"{k_split} / {block_k} / {s_warps}" if k_split else "",
-                             f"{shrink_us:.1f}" if shrink_us else "",
-                             f"{block_n} / {chunk} / {e_warps}" if block_n else "",
-                             f"{expand_us:.1f}" if expand_us else "", both, f"{dense:.1f}", f"{floor:.1f}"])
+                rows.append([name, case, label(shrink_changes), f"{shrink_us:.1f}" if shrink_us else "",
+                             label(expand_changes), f"{expand_us:.1f}" if expand_us else "", both, f"{dense:.1f}",
+                             f"{floor:.1f}"])
                 print(" | ".join(rows[-1]), flush=True)
     notes = [f"{args.rows} rows, {args.slots} slots of rank {args.rank}, bf16; Llama-3-8B projections (qkv and "
-             "gate_up fused). Kernels us: the first shrink and expand configurations of a row together (the first "
-             f"row of each case is the default). Copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)."]
+             "gate_up fused); configurations: backends/llm/lora_kernels.py's defaults and the changes named. "
+             "Kernels us: the shrink and expand of a row together (the first row of each case: the defaults). "
+             f"Copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)."]
     path = write_table(args.results / args.host, "lora-kernels", columns, rows, hardware_line("n/a (in-process)"),
                        notes)
     print(path.read_text())

@@ -24,8 +24,7 @@ from perf.report import hardware_line, write_table
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
 SHRINK = [{}, {"SHRINK_WARPS": 4}, {"BLOCK_K": 128}]  # the defaults, then changes to them
-EXPAND = [{}, {"FEW_ROWS": 0}, {"ROWS_MAXNREG": 0}, {"ROWS_MAXNREG": 96}, {"ROWS_BLOCK_N": 512, "ROWS_WARPS": 8},
-          {"ROWS_BLOCK_N": 128, "ROWS_MAXNREG": 48}, {"ROWS_BLOCK_N": 512, "ROWS_MAXNREG": 128}]
+EXPAND = [{}, {"BLOCK_N": 128, "CHUNK": 8}, {"CHUNK": 8}, {"BLOCK_N": 512, "CHUNK": 2}]
 
 
 def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:

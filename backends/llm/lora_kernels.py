@@ -25,11 +25,6 @@ SHRINK_WARPS = 2
 BLOCK_N = 256  # output features of one expand block
 CHUNK = 4  # expand blocks of one program
 EXPAND_WARPS = 4
-FEW_ROWS = 2  # tiles of at most this many rows take the row-by-row expand (0: none; TILE_ROWS: all)
-ROWS_BLOCK_N = 256
-ROWS_WARPS = 4
-# ptxas takes ~165 registers a thread unasked; 64 suffice (no spills), so 8 programs fit an SM (0: no cap)
-ROWS_MAXNREG = 64
 PROGRAMS_PER_SM = 8
 
 
@@ -78,13 +73,13 @@ def _tile_xa(xa_ptr, rows, in_tile, r, j, part, rows_total, PARTS: tl.constexpr,
 def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total, stride_out,
                    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr, PARTS: tl.constexpr,
                    SPLITS: tl.constexpr, MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr,
-                   BN: tl.constexpr, CHUNK: tl.constexpr, FEW: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (tile, part, chunk), for tiles of more than FEW rows: out[rows, the chunk's columns of the part] +=
-    sum_j xa[rows, j, part] B[slot_j]. The tile's rows and xa are read once, then CHUNK column blocks of BN, each
-    reading a B block per adapter and the rows' outputs. B holds the parts side by side ([slots, R, W0 + W1 + W2])."""
+                   BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (tile, part, chunk): out[rows, the chunk's columns of the part] += sum_j xa[rows, j, part] B[slot_j].
+    The tile's rows and xa are read once, then CHUNK column blocks of BN, each reading a B block per adapter and the
+    rows' outputs. B holds the parts side by side ([slots, R, W0 + W1 + W2])."""
     tl.static_assert(MIXED == 2)
     tile = tl.program_id(0)
-    if tile < tl.load(tile_count_ptr) and tl.load(tiles_ptr + tile * 4 + 1) > FEW:
+    if tile < tl.load(tile_count_ptr):
         part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
         col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
         end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
@@ -114,50 +109,6 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
                 tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _expand_rows_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total,
-                        stride_out, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr,
-                        PARTS: tl.constexpr, SPLITS: tl.constexpr, MIXED: tl.constexpr, R_PAD: tl.constexpr,
-                        BN: tl.constexpr, FEW: tl.constexpr):
-    """Program (tile, part, column block), for tiles of at most FEW rows (a step's rows with distinct adapters): the
-    block of B read once, then row by row out[row, block] += sum_j xa[row, j, part] B[slot_j] in plain FMAs over the
-    rank. No 16-row tile of registers as `tl.dot` needs, so many programs fit an SM and stream B."""
-    tl.static_assert(MIXED == 2)
-    tile = tl.program_id(0)
-    count = tl.load(tiles_ptr + tile * 4 + 1)
-    if tile < tl.load(tile_count_ptr) and count <= FEW:
-        part, block = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
-        col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
-        end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
-        if col0 + block * BN < end:
-            r, cols = tl.arange(0, R_PAD), col0 + block * BN + tl.arange(0, BN)
-            in_part = cols < end
-            w1 = tl.load(weights_ptr + tile * MIXED + 1)
-            start, width = tl.load(tiles_ptr + tile * 4), W0 + W1 + W2
-            for i in range(count):
-                row = tl.load(perm_ptr + start + i)
-                # B read in the loop (a tile has at most FEW rows): kept across it, ptxas holds it in fp32 registers
-                b0 = tl.load(b_ptr + (tl.load(tiles_ptr + tile * 4 + 2) * R + r[:, None]) * width + cols[None, :],
-                             mask=(r < R)[:, None] & in_part[None, :], other=0.0)
-                b1 = tl.load(b_ptr + (tl.load(tiles_ptr + tile * 4 + 3) * R + r[:, None]) * width + cols[None, :],
-                             mask=(r < tl.where(w1 != 0, R, 0))[:, None] & in_part[None, :], other=0.0)
-                xa0 = tl.zeros([R_PAD], dtype=tl.float32)
-                xa1 = tl.zeros([R_PAD], dtype=tl.float32)
-                for split in tl.static_range(SPLITS):
-                    at = xa_ptr + ((split * rows_total + row) * MIXED * PARTS + part) * R_PAD + r
-                    xa0 += tl.load(at)
-                    xa1 += tl.load(at + PARTS * R_PAD, mask=r < tl.where(w1 != 0, R_PAD, 0), other=0.0)
-                # products of the rank rounded to the weights' dtype first, as the tl.dot path does
-                xa0 = xa0.to(b_ptr.dtype.element_ty).to(tl.float32)
-                xa1 = xa1.to(b_ptr.dtype.element_ty).to(tl.float32)
-                acc = tl.sum(xa0[:, None] * b0.to(tl.float32), axis=0)
-                if w1 != 0:
-                    acc += tl.sum(xa1[:, None] * b1.to(tl.float32), axis=0)
-                out = out_ptr + row * stride_out + cols
-                total = tl.load(out, mask=in_part, other=0.0).to(tl.float32) + acc
-                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=in_part)
-
-
 @functools.cache
 def programs(device: torch.device) -> int:
     """Enough resident programs to keep every SM's memory requests in flight."""
@@ -185,24 +136,16 @@ def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Te
 
 def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...], perm: torch.Tensor,
            tiles: torch.Tensor, weights: torch.Tensor, tile_count: torch.Tensor) -> None:
-    """out [T, sum(widths)] += xa (summed over its splits) B, for each tiled row, in place: tiles of up to `few`
-    rows row by row, larger ones with tl.dot."""
-    few = FEW_ROWS
+    """out [T, sum(widths)] += xa (summed over its splits) B, for each tiled row, in place."""
     splits, rows_total, mixed, parts, r_pad = xa.shape
     w0, w1, w2 = (tuple(widths) + (0, 0))[:3]
     block_n = min(BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
     chunk = min(CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
     chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
-    shapes = dict(W0=w0, W1=w1, W2=w2, R=b.shape[1], PARTS=parts, SPLITS=splits, MIXED=mixed, R_PAD=r_pad, FEW=few)
-    if few < TILE_ROWS:
-        _expand_kernel[(tiles.shape[0], parts * chunks)](
-            xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), BM=TILE_ROWS, BN=block_n,
-            CHUNK=chunk, PRECISION=precision(out), num_warps=EXPAND_WARPS, **shapes)
-    if few > 0:
-        rows_n = min(ROWS_BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
-        _expand_rows_kernel[(tiles.shape[0], parts * triton.cdiv(max(widths), rows_n))](
-            xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), BN=rows_n,
-            num_warps=ROWS_WARPS, maxnreg=ROWS_MAXNREG or None, **shapes)
+    _expand_kernel[(tiles.shape[0], parts * chunks)](
+        xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
+        PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
+        PRECISION=precision(out), num_warps=EXPAND_WARPS)
 
 
 def precision(t: torch.Tensor) -> str:

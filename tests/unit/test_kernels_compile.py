@@ -70,11 +70,7 @@ CASES = {
     "lora-expand": ("backends.llm.lora_kernels", "_expand_kernel",
                     {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"}, {"rows_total": "i32", "stride_out": "i32"},
                     dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256, CHUNK=4,
-                         FEW=2, PRECISION="tf32")),
-    "lora-expand-rows": ("backends.llm.lora_kernels", "_expand_rows_kernel",
-                         {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"},
-                         {"rows_total": "i32", "stride_out": "i32"},
-                         dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, R_PAD=16, BN=512, FEW=2)),
+                         PRECISION="tf32")),
 }
 
 

@@ -173,6 +173,16 @@ class QosPolicy:
         return ticket
 
 
+def admit_in_order(items: list, ticket: Callable[[object], Ticket], now: float,
+                   room: int | None = None) -> tuple[list, list, list]:
+    """(to admit now, to hold, timed out) of requests ready for a consumer that takes `room` more (None: all): the
+    ones past their timeout apart, the others in QoS order, so what is held is what would wait there anyway."""
+    expired = [item for item in items if ticket(item).expired(now)]
+    live = sorted((item for item in items if not ticket(item).expired(now)), key=lambda item: ticket(item).key(now))
+    room = len(live) if room is None else max(0, room)
+    return live[:room], live[room:], expired
+
+
 def lower_priority(nice: int) -> None:
     """This thread's CPU niceness raised by `nice` (Linux schedules each thread by its own)."""
     if nice:

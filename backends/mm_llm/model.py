@@ -36,7 +36,7 @@ from backends.core.heartbeat import Heartbeat
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics, QosMetrics, RequestHistograms
 from backends.core.outbox import Outbox
-from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, Ticket, read_qos_class
+from backends.core.qos import CLASSES, QOS_PARAMETER, REJECTIONS, Ticket, admit_in_order, read_qos_class
 from backends.core.spans import SpanLog
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine, StepFailed
@@ -290,12 +290,22 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             except queue.Empty:
                 return
 
+    def admit_room(self) -> int | None:
+        """How many more ready requests the engine takes now (None: all); see mm_vlm."""
+        return None
+
     def _admit(self) -> None:
         self._take_inbox()
         ready, waiting = [], []
         for pending in self.pending:  # one pass: a future finishing meanwhile must land in exactly one list
             (waiting if pending.prepared is not None and not pending.prepared.done() else ready).append(pending)
-        self.pending = waiting
+        now = time.monotonic()
+        ready, held, expired = admit_in_order(ready, lambda p: p.ticket, now, self.admit_room())
+        self.pending = waiting + held
+        for pending in expired:  # as the engine refuses those in its own queue
+            error = pending.ticket.time_out(now)
+            pending.ticket.end()
+            self.outbox.send(pending.sender, self.error_response(error))
         for pending, item in zip(ready, self._engine_inputs_isolated(ready)):
             try:
                 if isinstance(item, Exception):

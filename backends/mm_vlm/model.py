@@ -128,6 +128,12 @@ class TritonPythonModel(LLMBackend):
         self.pool.kick()  # the last step may have started requests: room for more images ahead of the engine
         super()._admit()
 
+    def admit_room(self) -> int:
+        """New requests are admitted in QoS order while fewer than `encode_ahead` wait in the engine's queue: their
+        images' visual features are computed on this loop (every running stream waits for them), so not for
+        requests that would only wait there, nor before a higher class's that arrives meanwhile."""
+        return self.params.encode_ahead - sum(not seq.ticket.started for seq in self.engine.scheduler.waiting)
+
     def engine_inputs(self, batch: list[Pending]) -> list[EngineInput | Exception]:
         prepared: list[PreparedImage | Exception] = []
         for pending in batch:

@@ -9,7 +9,7 @@ import pytest
 
 from backends.core.errors import InvalidInput, Unavailable
 from backends.core.params import ParameterError
-from backends.core.qos import QosParams, QosPolicy, QosPool, Ticket
+from backends.core.qos import QosParams, QosPolicy, QosPool, Ticket, admit_in_order
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import tiny_checkpoint
@@ -50,6 +50,20 @@ def test_the_aging_bound_overdue_requests_go_first_by_deadline():
     high = POLICY.ticket("high", score=0.0, arrival=t0 + 10.5)  # deadline t0 + 11.5
     assert order([high, normal, low], t0 + 10.5)[0] is low  # overdue: ahead of a fresh high request
     assert order([high, normal, low], t0 + 11.2) == [low, normal, high]  # both overdue, earliest deadline first
+
+
+def test_a_consumer_with_room_for_some_takes_them_in_qos_order_and_the_timed_out_ones_apart():
+    """What `vlm` admits (and encodes) while its engine's queue has room for two: a high request that arrived last
+    goes first, the cheaper low one before the heavier, and one past its timeout is handed back to be refused."""
+    t0 = 0.0
+    lows = [POLICY.ticket("low", score=s, arrival=t0) for s in (0.9, 0.1, 0.5)]
+    high = POLICY.ticket("high", score=0.9, arrival=t0 + 3)
+    stale = POLICY.ticket("normal", score=0.0, arrival=t0 - 2.5)  # 5.5 s waited at t0 + 3, its timeout is 5 s
+    pending = [*lows, stale, high]
+    admit, hold, expired = admit_in_order(pending, lambda t: t, t0 + 3, room=2)
+    assert admit == [high, lows[1]] and hold == [lows[2], lows[0]] and expired == [stale]
+    assert admit_in_order(pending, lambda t: t, t0 + 3, room=-1)[0] == []  # the queue is over its room: none
+    assert admit_in_order(pending, lambda t: t, t0 + 3)[0] == [high, *(lows[i] for i in (1, 2, 0))]  # no limit
 
 
 def test_a_low_request_is_served_within_its_bound_under_a_stream_of_high_ones():

@@ -173,14 +173,25 @@ class QosPolicy:
         return ticket
 
 
-def admit_in_order(items: list, ticket: Callable[[object], Ticket], now: float,
-                   room: int | None = None) -> tuple[list, list, list]:
-    """(to admit now, to hold, timed out) of requests ready for a consumer that takes `room` more (None: all): the
-    ones past their timeout apart, the others in QoS order, so what is held is what would wait there anyway."""
+def admit_in_order(items: list, ticket: Callable[[object], Ticket], now: float, ahead: int | None = None,
+                   waiting: list[Ticket] = ()) -> tuple[list, list, list]:
+    """(to admit now, to hold, timed out) of requests ready for a consumer whose queue holds `waiting`: the ones past
+    their timeout apart, the others in QoS order, each admitted while fewer than `ahead` (None: no limit) of its class
+    or higher wait there, as QosPool runs work ahead. So a higher class is never held behind a lower one, and what
+    is held is what would only wait in that queue."""
     expired = [item for item in items if ticket(item).expired(now)]
     live = sorted((item for item in items if not ticket(item).expired(now)), key=lambda item: ticket(item).key(now))
-    room = len(live) if room is None else max(0, room)
-    return live[:room], live[room:], expired
+    if ahead is None:
+        return live, [], expired
+    ranks, admit, hold = [t.rank for t in waiting], [], []
+    for item in live:
+        rank = ticket(item).rank
+        if sum(r <= rank for r in ranks) < ahead:
+            admit.append(item)
+            ranks.append(rank)
+        else:
+            hold.append(item)
+    return admit, hold, expired
 
 
 def lower_priority(nice: int) -> None:

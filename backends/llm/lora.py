@@ -79,7 +79,7 @@ class ProjectionSlots:
         bounds = np.cumsum((0,) + self.widths)
         for (start, count, *slots), weights in zip(step.tiles[:int(step.tile_count)].tolist(), step.weights.tolist()):
             rows = step.perm[start:start + count]
-            xs, delta = x[rows], torch.zeros(count, out.shape[1], dtype=out.dtype)
+            xs, delta = x[rows], torch.zeros(count, out.shape[1], dtype=out.dtype, device=out.device)
             for slot, weight in zip(slots, weights):
                 for part in range(len(self.widths)) if weight else ():
                     cols = slice(bounds[part], bounds[part + 1])

@@ -14,6 +14,7 @@ token ids.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import torch
 
@@ -48,13 +49,14 @@ class ModelRunner:
         # LoRA tiles | their number | block tables): a step fills its host mirror and sends it in one copy; graphs read
         # the device views in place. A step has at most one LoRA tile a row.
         b, pinned = self.max_batch, self.device.type == "cuda"
-        self.tables_at = 8 * b + 1
+        self.tiles_at, self.count_at = tiles_at, count_at = 4 * b, (4 + 2 + MIXED) * b
+        self.tables_at = count_at + 1
         size = self.tables_at + b * self.max_blocks
         self.staged = torch.full((size,), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.ids, self.positions, self.slots = self.staged[:b], self.staged[b:2 * b], self.staged[2 * b:3 * b]
-        self.lora_perm, self.lora_tiles = self.staged[3 * b:4 * b], self.staged[4 * b:8 * b].view(b, 2 + MIXED)
-        self.lora_tile_count = self.staged[8 * b:self.tables_at]
+        self.lora_perm, self.lora_tiles = self.staged[3 * b:tiles_at], self.staged[tiles_at:count_at].view(b, 2 + MIXED)
+        self.lora_tile_count = self.staged[count_at:self.tables_at]
         self.tables = self.staged[self.tables_at:].view(b, self.max_blocks)
         self.lora_weights = torch.zeros(b, MIXED, device=self.device)  # the tiles' weights, in a float buffer
         self.host_weights = torch.zeros(b, MIXED, pin_memory=pinned)
@@ -105,7 +107,7 @@ class ModelRunner:
         if self.lora is None or not any(s.lora for s in seqs):
             return None
         counts = counts or [seq.step_tokens for seq in seqs]
-        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        firsts = [0, *itertools.accumulate(counts)][:-1]
         plan = plan_tiles((first, count, *lora_row(seq)) for first, count, seq in zip(firsts, counts, seqs) if seq.lora)
         return LoraStep(self.lora, self.tensor(plan.perm), self.tensor(plan.tiles),
                         self.tensor(plan.weights, torch.float32), self.tensor([len(plan.tiles)]))
@@ -142,8 +144,8 @@ class ModelRunner:
             plan = plan_tiles((i, 1, *lora_row(seq)) for i, (seq, _) in enumerate(rows) if seq.lora)
             tiles = len(plan.tiles)
             host[3 * b:3 * b + len(plan.perm)] = plan.perm
-            host[4 * b:4 * b + tiles * (2 + MIXED)] = plan.tiles.ravel()
-            host[8 * b] = tiles
+            host[self.tiles_at:self.tiles_at + tiles * (2 + MIXED)] = plan.tiles.ravel()
+            host[self.count_at] = tiles
             if tiles:
                 self.host_weights[:tiles] = torch.from_numpy(plan.weights)
                 self.lora_weights[:tiles].copy_(self.host_weights[:tiles], non_blocking=True)

@@ -290,9 +290,10 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
             except queue.Empty:
                 return
 
-    def admit_room(self) -> int | None:
-        """How many more ready requests the engine takes now (None: all); see mm_vlm."""
-        return None
+    def admit_ahead(self) -> tuple[int | None, list[Ticket]]:
+        """How many requests of a class or higher may wait in the engine's queue (None: no limit), and the tickets
+        of those waiting there now; see mm_vlm."""
+        return None, []
 
     def _admit(self) -> None:
         self._take_inbox()
@@ -300,7 +301,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         for pending in self.pending:  # one pass: a future finishing meanwhile must land in exactly one list
             (waiting if pending.prepared is not None and not pending.prepared.done() else ready).append(pending)
         now = time.monotonic()
-        ready, held, expired = admit_in_order(ready, lambda p: p.ticket, now, self.admit_room())
+        ready, held, expired = admit_in_order(ready, lambda p: p.ticket, now, *self.admit_ahead())
         self.pending = waiting + held
         for pending in expired:  # as the engine refuses those in its own queue
             error = pending.ticket.time_out(now)

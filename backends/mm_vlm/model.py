@@ -36,7 +36,7 @@ import torch
 from backends.core.adapter import inject
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
-from backends.core.qos import QosPool
+from backends.core.qos import QosPool, Ticket
 from backends.media import device_images
 from backends.media.images import ImagePreprocessor, decode_image
 from backends.mm_llm.model import EngineInput, Pending
@@ -128,11 +128,11 @@ class TritonPythonModel(LLMBackend):
         self.pool.kick()  # the last step may have started requests: room for more images ahead of the engine
         super()._admit()
 
-    def admit_room(self) -> int:
-        """New requests are admitted in QoS order while fewer than `encode_ahead` wait in the engine's queue: their
-        images' visual features are computed on this loop (every running stream waits for them), so not for
-        requests that would only wait there, nor before a higher class's that arrives meanwhile."""
-        return self.params.encode_ahead - sum(not seq.ticket.started for seq in self.engine.scheduler.waiting)
+    def admit_ahead(self) -> tuple[int, list[Ticket]]:
+        """A new request is admitted while fewer than `encode_ahead` of its class or higher wait in the engine's
+        queue: its image's visual features are computed on this loop (every running stream waits for them), so not
+        for requests that would only wait there; a higher class arriving meanwhile is not held behind them."""
+        return self.params.encode_ahead, [seq.ticket for seq in self.engine.scheduler.waiting if not seq.ticket.started]
 
     def engine_inputs(self, batch: list[Pending]) -> list[EngineInput | Exception]:
         prepared: list[PreparedImage | Exception] = []

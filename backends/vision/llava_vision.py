@@ -28,7 +28,7 @@ class VLMParams(EngineConfig):
     visual_keep_ratio: float = bounded(1.0, 0, 1, low_open=True)  # share of tile tokens kept (highest norm)
     image_cache: int = bounded(8, 0)  # visual features of this many recent images kept on the device (0: off);
     # outside the KV budget: an 8B model's 2,000-token image takes 16 MB
-    encode_ahead: int = bounded(4, 1)  # requests admitted (their images encoded) ahead of the engine's next prefill
+    encode_ahead: int = bounded(4, 1)  # requests of a class or higher admitted (their images encoded) and not started
 
 
 def expand_placeholder(ids: list[int], placeholder_id: int, count: int) -> list[int]:

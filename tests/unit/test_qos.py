@@ -52,17 +52,21 @@ def test_the_aging_bound_overdue_requests_go_first_by_deadline():
     assert order([high, normal, low], t0 + 11.2) == [low, normal, high]  # both overdue, earliest deadline first
 
 
-def test_a_consumer_with_room_for_some_takes_them_in_qos_order_and_the_timed_out_ones_apart():
-    """What `vlm` admits (and encodes) while its engine's queue has room for two: a high request that arrived last
-    goes first, the cheaper low one before the heavier, and one past its timeout is handed back to be refused."""
+def test_requests_are_admitted_in_qos_order_at_most_ahead_of_their_consumer_by_class():
+    """What `vlm` admits (and encodes), two at most waiting ahead of its engine: a high request that arrived last goes
+    first, then the cheapest low one; when a low one already waits, the high one still goes and no low one does; one
+    past its timeout is handed back to be refused."""
     t0 = 0.0
     lows = [POLICY.ticket("low", score=s, arrival=t0) for s in (0.9, 0.1, 0.5)]
     high = POLICY.ticket("high", score=0.9, arrival=t0 + 3)
     stale = POLICY.ticket("normal", score=0.0, arrival=t0 - 2.5)  # 5.5 s waited at t0 + 3, its timeout is 5 s
     pending = [*lows, stale, high]
-    admit, hold, expired = admit_in_order(pending, lambda t: t, t0 + 3, room=2)
+    admit, hold, expired = admit_in_order(pending, lambda t: t, t0 + 3, ahead=2)
     assert admit == [high, lows[1]] and hold == [lows[2], lows[0]] and expired == [stale]
-    assert admit_in_order(pending, lambda t: t, t0 + 3, room=-1)[0] == []  # the queue is over its room: none
+    one_low = [POLICY.ticket("low", arrival=t0)]
+    assert admit_in_order(pending, lambda t: t, t0 + 3, ahead=2, waiting=one_low)[0] == [high]
+    full = [POLICY.ticket("high", arrival=t0)] * 2  # two high ones waiting: nothing more
+    assert admit_in_order(pending, lambda t: t, t0 + 3, ahead=2, waiting=full)[0] == []
     assert admit_in_order(pending, lambda t: t, t0 + 3)[0] == [high, *(lows[i] for i in (1, 2, 0))]  # no limit
 
 

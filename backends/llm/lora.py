@@ -26,7 +26,7 @@ from backends.llm.model import ModelArgs
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"),
          "down_proj": ("down_proj",)}
 MIXED = 2  # adapters one row may combine (Top-2 routing)
-TILE_ROWS = 16  # rows of a tile (the kernels' block of rows)
+TILE_ROWS = 16  # rows of a tile (the kernels' block of rows: tl.dot needs at least 16)
 
 
 @dataclass

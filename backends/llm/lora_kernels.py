@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_ROWS = 16  # rows of one tile (tl.dot needs at least 16)
+from backends.llm.lora import TILE_ROWS  # rows of one tile (tl.dot needs at least 16)
+
 # block configuration: the best of perf.lora_kernels' sweep on the H200 (perf/results/h200/2026-12-04-lora-kernels*)
 K_SPLIT = 1024  # input features of one shrink work item
 BLOCK_K = 256

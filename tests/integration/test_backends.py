@@ -98,7 +98,7 @@ def stats(model: str, server) -> tuple[int, int]:
 @pytest.mark.parametrize("stage", ["read", "prepare", "infer"])
 @pytest.mark.parametrize("model", BATCHED)
 def test_an_unexpected_failure_fails_alone_in_its_dynamic_batch(server, model, stage):
-    count, faulty = (8 if model == "whisper" else 16), 5
+    count, faulty = 16, 5
     before = stats(model, server)
     with ThreadPoolExecutor(count) as pool:
         results = list(pool.map(lambda i: infer(server, model, parameters={"inject_fault": stage} if i == faulty

@@ -179,8 +179,10 @@ def admit_in_order(items: list, ticket: Callable[[object], Ticket], now: float, 
     their timeout apart, the others in QoS order, each admitted while fewer than `ahead` (None: no limit) of its class
     or higher wait there, as QosPool runs work ahead. So a higher class is never held behind a lower one, and what
     is held is what would only wait in that queue."""
-    expired = [item for item in items if ticket(item).expired(now)]
-    live = sorted((item for item in items if not ticket(item).expired(now)), key=lambda item: ticket(item).key(now))
+    expired, live = [], []
+    for item in items:
+        (expired if ticket(item).expired(now) else live).append(item)
+    live.sort(key=lambda item: ticket(item).key(now))
     if ahead is None:
         return live, [], expired
     ranks, admit, hold = [t.rank for t in waiting], [], []

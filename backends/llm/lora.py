@@ -42,23 +42,19 @@ class LoraPlan:
 def plan_tiles(segments: Iterable[tuple[int, int, list[int], list[float]]]) -> LoraPlan:
     """Tiles of `segments` = (first row, rows, slots, weights) runs of rows with the same adapters. Rows with equal
     (slots, weights) share tiles, so one adapter's rows across sequences are read with its weights once a tile."""
-    groups: dict[tuple, list[np.ndarray]] = {}
+    groups: dict[tuple, list[int]] = {}  # (slot, weight) pairs -> their rows
     for first, count, slots, weights in segments:
         pairs = [(s, w) for s, w in zip(slots, weights) if w]
         if pairs:
-            key = tuple(pairs + [(0, 0.0)] * (MIXED - len(pairs)))
-            groups.setdefault(key, []).append(np.arange(first, first + count))
+            groups.setdefault(tuple(pairs + [(0, 0.0)] * (MIXED - len(pairs))), []).extend(range(first, first + count))
     perm, tiles, weights = [], [], []
-    done = 0
-    for key, runs in groups.items():
-        rows = np.concatenate(runs)
+    for key, rows in groups.items():
         for start in range(0, len(rows), TILE_ROWS):
-            tiles.append([done + start, min(TILE_ROWS, len(rows) - start)] + [s for s, _ in key])
+            tiles.append([len(perm) + start, min(TILE_ROWS, len(rows) - start)] + [s for s, _ in key])
             weights.append([w for _, w in key])
-        perm.append(rows)
-        done += len(rows)
-    return LoraPlan(np.concatenate(perm) if perm else np.zeros(0, np.int64),
-                    np.array(tiles, np.int64).reshape(-1, 2 + MIXED), np.array(weights, np.float32).reshape(-1, MIXED))
+        perm += rows
+    return LoraPlan(np.array(perm, np.int64), np.array(tiles, np.int64).reshape(-1, 2 + MIXED),
+                    np.array(weights, np.float32).reshape(-1, MIXED))
 
 
 @dataclass

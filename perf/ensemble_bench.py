@@ -20,6 +20,7 @@ from perf.analyzer import LoadPoint, sweep
 from perf.baseline import in_process_throughput
 from perf.inputs import IMAGE_SETS, model_input_data, model_items
 from perf.report import bench_arguments, hardware_line, write_table
+from perf.server_metrics import model_metrics
 
 
 @dataclasses.dataclass
@@ -49,7 +50,8 @@ class Variant:
         steps = "ensemble: preprocessing step" if (self.repository / f"{model}_preprocess").exists() else \
             "one model: preprocessing in its execute"
         return (f"{self.name}: {steps} {place}, {group.get('count', 1)} {group.get('kind', 'KIND_AUTO')} instance(s) "
-                f"x {parameters.get('prepare_threads', '4')} threads")
+                f"x {parameters.get('prepare_threads', '4')} threads, batch window "
+                f"{parameters.get('batch_window', 'triton')}")
 
 
 def read_config(folder: Path) -> dict:
@@ -74,10 +76,16 @@ def serve_and_sweep(variant: Variant, model: str, image_sets: list[str], concurr
                  .get("ensemble_scheduling", {}).get("step", [])] or [model]
         for image_set in image_sets:
             data = model_input_data(model, tmp, image_set)
-            before = [step_stats(client, step) for step in steps]
+            before = [(step_stats(client, step), model_metrics(server.metrics_url, step)) for step in steps]
             points, _, notes = sweep(model, server, data, csvs, "concurrency", concurrency, interval_ms)
-            for step, old in zip(steps, before):
+            for step, (old, old_metrics) in zip(steps, before):
                 notes.append(describe_step(step, old, step_stats(client, step)))
+                batched = {name: model_metrics(server.metrics_url, step).get(name, 0) - old_metrics.get(name, 0)
+                           for name in ("batcher_requests_total", "batcher_batches_total")}
+                if batched["batcher_batches_total"]:  # our batcher: Triton counts an execution per request
+                    notes.append(f"step {step}, our batcher: {batched['batcher_requests_total']:.0f} requests in "
+                                 f"{batched['batcher_batches_total']:.0f} engine calls (mean batch "
+                                 f"{batched['batcher_requests_total'] / batched['batcher_batches_total']:.1f})")
             out[image_set] = (points, notes)
         client.close()
     return out

@@ -48,8 +48,10 @@
 #   preprocessing (ENSEMBLE_INSTANCES, 4, instances x nproc threads); device, preprocessing on the GPU
 #   (DEVICE_INSTANCES, 2);
 #   device-x2, that with 2 encoder instances; single-device, the model alone with preprocessing on the GPU
-#   (single-device-xN: N instances of it; single-device-compile: its engine through torch.compile); ENSEMBLE_ARGS: more arguments, e.g. "--image-sets thumbnails
-#   --concurrency 16 64 --label x")
+#   (single-device-xN: N instances of it; single-device-compile: its engine through torch.compile;
+#   single-device-compile-adaptive: that batched by our batcher, which prepares the next requests while the engine
+#   runs, instead of Triton's); ENSEMBLE_ARGS: more arguments, e.g. "--image-sets thumbnails --concurrency 16 64
+#   --label x")
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
 results="$(realpath -m "${2:-gpu-results}")"
@@ -115,6 +117,7 @@ if [[ " ${SCENARIOS:-images} " == *" ensembles "* ]]; then
       single-device) flags=(--preprocess-on-device true) ;;
       single-device-x*) flags=(--preprocess-on-device true --instances "${variant#single-device-x}") ;;
       single-device-compile) flags=(--preprocess-on-device true --torch-compile true) ;;
+      single-device-compile-adaptive) flags=(--preprocess-on-device true --torch-compile true --batch-window adaptive) ;;
       ensemble) flags=(--ensemble --preprocess-instances "${ENSEMBLE_INSTANCES:-4}") ;;
       device) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true) ;;
       device-x2) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true \

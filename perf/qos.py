@@ -29,13 +29,15 @@ from build_engines.cli import main as build_engines
 from client.sdk import generation_arrays, infer_inputs
 from perf.llm import StreamTiming, make_prompts, stream_one
 from perf.report import hardware_line, write_table
+from perf.server_metrics import engine_steps, model_metrics
 
 FIFO_FLAGS = ["--qos-weights", "image=0,audio=0,text=0", "--qos-max-queued", "high=1000000,normal=1000000,low=1000000",
               "--qos-timeout-s", "high=1e9,normal=1e9,low=1e9"]
-# per family: flags of both models. vlm: no feature or prefix cache, so that every photo costs what a new one does (and
-# on a GPU, images decoded there: what a 4K photo needs); whisper: our batcher (Triton's dynamic batcher knows no QoS),
-# with its adaptive window
-FAMILY_FLAGS = {"llm": [], "vlm": ["--image-cache", "0", "--prefix-caching", "false"],
+# per family: flags of both models. llm, vlm: no prefix cache (and vlm no feature cache), so that every prompt and
+# photo costs what a new one does (the mix cycles through 16 of each; with the cache a 256-token prompt computed one
+# token); vlm on a GPU decodes images there (what a 4K photo needs); whisper: our batcher (Triton's dynamic batcher
+# knows no QoS), with its adaptive window
+FAMILY_FLAGS = {"llm": ["--prefix-caching", "false"], "vlm": ["--image-cache", "0", "--prefix-caching", "false"],
                 "whisper": ["--batch-window", "adaptive"]}
 HEADER = ["model", "load (x capacity)", "class", "sent", "done", "refused", "TTFT p50 ms", "TTFT p99 ms",
           "latency p50 ms", "latency p99 ms", "longest TTFT ms"]
@@ -194,7 +196,7 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
     mix = MIXES[family]
     requests = {k.name: payloads(family, k, checkpoint, seed=i) for i, k in enumerate(mix)}
     concurrency = 2 * args.max_batch
-    rows = []
+    rows, steps = [], []
     log = Path(f"logs/bench-qos-{family}.log")
     with TritonServer(repository, free_port(), free_port(), free_port(), log) as server:
         for model in models:  # warm-up: each engine's first steps compile kernels
@@ -204,8 +206,13 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
         for load in args.loads:
             schedule = poisson_schedule(load * rate, args.duration_s, mix, seed=int(load * 1000))
             for model in models:
+                before, start = model_metrics(server.metrics_url, model), time.perf_counter()
                 sent = asyncio.run(send_schedule(server.grpc_url, family, model, schedule, requests,
                                                  qos=model.endswith("_qos")))
+                if family != "whisper":
+                    steps.append(f"`{model}` at {load:g}x: " + engine_steps(
+                        before, model_metrics(server.metrics_url, model), time.perf_counter() - start))
+                    print(steps[-1], flush=True)
                 rows += class_rows(model, load, sent, sorted({k.qos_class for k in mix}))
                 for row in rows[-len(mix):]:
                     print(" | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row), flush=True)
@@ -216,6 +223,8 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
     for model in models:
         p99 = by[model, heavy, "high"][9] / by[model, light, "high"][9]
         notes.append(f"`{model}`: high-class latency p99 at {heavy:g}x capacity = {p99:.2f}x its p99 at {light:g}x.")
+    if steps:
+        notes += ["", "Engine steps while each schedule ran (its llm_* counters):", "", *(f"- {s}" for s in steps)]
     return rows, notes
 
 
@@ -247,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     notes.append(f"Poisson arrivals for {args.duration_s:g} s per load and model, the same schedule for both models of "
                  f"a family. Engines: max_batch {args.max_batch}"
                  f"{', ' + ' '.join(args.engine_flags) if args.engine_flags else ''}. `*_qos`: default QoS settings "
-                 "(aging bounds high 1 s / normal 5 s / low 30 s, queue limits 256 / 512 / 512); `*_fifo`: cost "
+                 "(aging bounds high 1 s / normal 5 s / low 30 s, queue limits 256 / 512 / 512; LLM engines: while a "
+                 "higher class runs, lower-class prompts start in at most 25% of the engine's time, in steps of at "
+                 "most 2048 prompt tokens); `*_fifo`: cost "
                  "weights 0, unbounded queues, no class sent (first come first served).")
     notes.append(f"Command: `python -m perf.qos {' '.join(sys.argv[1:] if argv is None else argv)}`.")
     scenario = "qos-mixed-load" + ("" if set(args.families) == set(MIXES) else "-" + "-".join(args.families))

@@ -12,7 +12,6 @@ import json
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from perf.gpu import served_device
 from perf.inputs import bytes_entry, encoded_images
 from perf.llm_scenarios import wait_unloaded
 from perf.report import bench_arguments, hardware_line, write_table
+from perf.server_metrics import model_metrics
 
 IMAGES = [(640, 480, "JPEG"), (1280, 720, "JPEG"), (1024, 1024, "JPEG"), (800, 1200, "JPEG")]
 
@@ -74,11 +74,8 @@ def in_process(folder: Path, images: list[bytes], device: str, repeats: int = 5,
 
 def batched(server) -> tuple[float, float]:
     """(requests, batches) our batcher has counted for `sam` so far."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    totals = {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                        if line.startswith(name + "{") and 'model="sam"' in line)
-              for name in ("batcher_requests_total", "batcher_batches_total")}
-    return totals["batcher_requests_total"], totals["batcher_batches_total"]
+    totals = model_metrics(server.metrics_url, "sam")
+    return totals.get("batcher_requests_total", 0.0), totals.get("batcher_batches_total", 0.0)
 
 
 def rows_of(label: str, points) -> list[list]:

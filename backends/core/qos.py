@@ -65,9 +65,13 @@ class Ticket:
     def key(self, now: float) -> tuple:
         """Sort key, lowest first (see the module's docstring)."""
         waited = now - self.arrival
-        if waited >= self.max_wait_s:
+        if self.overdue(now):
             return (0, self.arrival + self.max_wait_s)
         return (1, self.rank, self.score - waited / self.max_wait_s)
+
+    def overdue(self, now: float) -> bool:
+        """It has waited past its class's aging bound: it goes ahead of every class."""
+        return now - self.arrival >= self.max_wait_s
 
     def expired(self, now: float) -> bool:
         return now - self.arrival >= self.timeout_s

@@ -61,6 +61,10 @@ class EngineConfig(QosParams):
     chunk_tokens: int | None = bounded(None, 1)  # chunked prefill: while sequences decode, a step computes at most
     # this many tokens, theirs and chunks of new prompts; unset (default until prefill steps run from CUDA graphs:
     # measured no faster, README): a new prompt prefills whole in a step of its own
+    qos_lower_share: float = bounded(0.25, 0, 1, low_open=True)  # while a higher QoS class runs, prompts of lower
+    # classes start in at most this share of the engine's time (1: no limit; overdue ones always start)
+    qos_lower_tokens: int | None = bounded(2048, 1)  # and in steps of at most this many prompt tokens (a longer
+    # prompt alone); unset: max_prefill_tokens
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
     # gather: copy each sequence's blocks, then SDPA (the reference; what runs on the CPU)
     decode_linear: str = choice("gemv", "library")  # gemv: one-token steps run their linear layers as the Triton
@@ -93,7 +97,10 @@ class StepFailed(RuntimeError):
 @dataclass
 class EngineStats:
     prefill_steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (chunks and recomputed prompts too)
+    prefill_seconds: float = 0.0  # wall time of steps that computed prompt tokens (mixed steps too)
     decode_steps: int = 0
+    decode_seconds: float = 0.0  # wall time of the steps that only decoded
     decode_tokens: int = 0  # sum of decode batch sizes
     max_decode_batch: int = 0
     generated_tokens: int = 0
@@ -153,7 +160,8 @@ class LLMEngine:
                                   paged_decode=config.decode_attention == "paged",
                                   lora=self.adapters and self.adapters.slots)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
-                                   chunk_tokens=config.chunk_tokens, adapters=self.adapters)
+                                   chunk_tokens=config.chunk_tokens, adapters=self.adapters,
+                                   lower_share=config.qos_lower_share, lower_tokens=config.qos_lower_tokens)
         self.qos = QosPolicy(config)
         self.proposer = None
         if config.speculative == "ngram":
@@ -303,6 +311,7 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return expired
+        started = time.monotonic()
         # a sequence whose step ends before its last token (a prompt chunk) gets no token this step
         done = [i for i, s in enumerate(seqs) if s.num_cached + s.step_tokens == s.num_tokens]
         try:
@@ -319,8 +328,15 @@ class LLMEngine:
             if self.proposer is not None:  # a verify step's proposals are spent, whatever happened
                 for seq in seqs:
                     seq.draft_ids = []
+        seconds = time.monotonic() - started  # sampling has brought the tokens to the host: the step is over
+        self.scheduler.yielded(seconds)
         decoding = sum(s.step_tokens == 1 and s.num_cached > 0 for s in seqs) if is_prefill else len(seqs)
-        self.stats.prefill_steps += is_prefill
+        if is_prefill:
+            self.stats.prefill_steps += 1
+            self.stats.prefill_seconds += seconds
+            self.stats.prefill_tokens += sum(s.step_tokens for s in seqs) - decoding
+        else:
+            self.stats.decode_seconds += seconds
         if decoding:
             self.stats.decode_steps += 1
             self.stats.decode_tokens += decoding

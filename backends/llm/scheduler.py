@@ -29,10 +29,16 @@ def qos_order(seq: Sequence, now: float) -> tuple:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=qos_order,
-                 chunk_tokens: int | None = None, adapters: AdapterCache | None = None):
+                 chunk_tokens: int | None = None, adapters: AdapterCache | None = None,
+                 lower_share: float = 1.0, lower_tokens: int | None = None):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
         self.adapters = adapters
         self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
+        # while a higher QoS class runs, lower-class prompts start in at most `lower_share` of the engine's time, in
+        # steps of at most `lower_tokens` prompt tokens (see `_prefill`)
+        self.lower_share, self.lower_tokens = lower_share, lower_tokens
+        self.lower_open_at = 0.0  # lower-class prompts wait until then while a higher class runs
+        self.lower_step = False  # the step scheduled last started lower-class prompts beside a higher class
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -53,6 +59,7 @@ class Scheduler:
         decoding sequence keeps its pace while long prompts (images) prefill."""
         now = time.monotonic()
         self.order = lambda seq: self.policy(seq, now)
+        self.now, self.lower_step = now, False
         decoding = any(s.num_tokens - s.num_cached == 1 for s in self.running)
         if self.chunk_tokens is None or not decoding:
             if prefill := self._prefill(self.max_prefill_tokens, chunked=False):
@@ -65,10 +72,22 @@ class Scheduler:
     def _prefill(self, budget: int, chunked: bool) -> list[Sequence]:
         """Sequences part-way through their prompt first, then waiting ones admitted in policy order (shared prefix
         blocks and new ones), while the token budget lasts; a chunked step cuts the last prompt at the budget, an
-        unchunked one runs a longer prompt whole when it comes first."""
+        unchunked one runs a longer prompt whole when it comes first.
+
+        A waiting prompt of a lower class than one running or chosen, not overdue, starts only when the lower
+        classes' share of time allows (`yielded`) and within `lower_tokens`: a prefill step delays every decoding
+        sequence by its whole length, and without this a stream of heavy low-class prompts (4K images) sets the
+        pace of a high-class chat."""
         partial = [s for s in sorted(self.running, key=self.order) if s.num_tokens - s.num_cached > 1]
+        top = min((s.ticket.rank for s in self.running), default=None)
         chosen = []
         for seq in [*partial, *sorted(self.waiting, key=self.order)]:
+            lower = seq.status is Status.WAITING and top is not None and seq.ticket.rank > top \
+                and not seq.ticket.overdue(self.now)
+            if lower and not self.lower_step:  # the first lower prompt (the rest of the order is lower too)
+                if self.now < self.lower_open_at:
+                    break
+                budget = min(budget, self.lower_tokens or budget)
             if budget <= 0:
                 break
             if seq.status is Status.WAITING:
@@ -85,11 +104,19 @@ class Scheduler:
                 seq.ticket.start()
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+            top = seq.ticket.rank if top is None else min(top, seq.ticket.rank)
+            self.lower_step |= lower
             remaining = seq.num_tokens - seq.num_cached
             seq.step_tokens = min(remaining, budget) if chunked else remaining
             budget -= seq.step_tokens
             chosen.append(seq)
         return chosen
+
+    def yielded(self, seconds: float) -> None:
+        """The engine ran the step scheduled last in `seconds`: when it started lower-class prompts beside a higher
+        class, the next such step waits until the lower classes' time is back within their share."""
+        if self.lower_step:
+            self.lower_open_at = time.monotonic() + seconds * (1 - self.lower_share) / self.lower_share
 
     def _make_room(self, seq: Sequence, chosen: list[Sequence]) -> bool:
         """A full batch takes a waiting sequence of a higher QoS class by preempting the running sequence last in

@@ -56,6 +56,9 @@ GAUGES = {"llm_kv_blocks_free": "KV-cache blocks free", "llm_kv_blocks_total": "
           "llm_sequences_waiting": "sequences waiting for a batch slot or KV blocks",
           "llm_decode_batch_max": "largest decode batch so far"}
 COUNTERS = {"llm_prefill_steps_total": "prefill steps", "llm_decode_steps_total": "decode steps",
+            "llm_prefill_tokens_total": "prompt tokens computed by prefill steps",
+            "llm_prefill_seconds_total": "time in steps that computed prompt tokens",
+            "llm_decode_seconds_total": "time in steps that only decoded",
             "llm_decode_tokens_total": "tokens produced by decode steps (sum of decode batch sizes)",
             "llm_generated_tokens_total": "tokens generated", "llm_preemptions_total": "sequences preempted",
             "llm_prefix_cache_hit_tokens_total": "prompt tokens whose KV came from the prefix cache",
@@ -121,6 +124,8 @@ def engine_stats(engine: LLMEngine) -> tuple[dict[str, float], dict[str, int]]:
               "llm_sequences_running": len(engine.scheduler.running),
               "llm_sequences_waiting": len(engine.scheduler.waiting), "llm_decode_batch_max": s.max_decode_batch}
     totals = {"llm_prefill_steps_total": s.prefill_steps, "llm_decode_steps_total": s.decode_steps,
+              "llm_prefill_tokens_total": s.prefill_tokens, "llm_prefill_seconds_total": s.prefill_seconds,
+              "llm_decode_seconds_total": s.decode_seconds,
               "llm_decode_tokens_total": s.decode_tokens, "llm_generated_tokens_total": s.generated_tokens,
               "llm_preemptions_total": engine.scheduler.preemptions,
               "llm_prefix_cache_hit_tokens_total": engine.blocks.hit_tokens, "llm_spec_verify_total": s.speculated,

@@ -193,6 +193,34 @@ def test_an_overdue_request_is_not_preempted_for_a_higher_class(engine):
     assert high.finish_reason == "length"
 
 
+def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_higher_class_runs():
+    engine = LLMEngine(tiny_checkpoint("llm", ROOT / ".checkpoints"),
+                       EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=4,
+                                    qos_lower_share=0.01, qos_lower_tokens=8))
+    qos, scheduler = engine.qos, engine.scheduler
+    tokens = engine.tokenizer.encode
+    short = [tokens("a b c d e f g")[:6], tokens("h i j k l m n")[:6]]
+    assert list(map(len, short)) == [6, 6]
+    high = engine.add("urgent", SamplingParams(max_tokens=20, min_tokens=20), ticket=qos.ticket("high"))
+    engine.step()
+    lows = [engine.add(p, SamplingParams(max_tokens=2, min_tokens=2), ticket=qos.ticket("low")) for p in short]
+    engine.step()  # the gate is open: one low prompt starts (6 tokens of the cap of 8; two would be 12)
+    assert scheduler.running == [high, lows[0]] and engine.stats.prefill_steps == 2
+    assert scheduler.lower_open_at > time.monotonic()  # that step's time, 99 times over
+    for _ in range(3):
+        engine.step()  # the high request decodes; the second low prompt waits for the share of time
+        assert lows[1] in scheduler.waiting and engine.stats.prefill_steps == 2
+    overdue = engine.add("waited", SamplingParams(max_tokens=2, min_tokens=2),
+                         ticket=qos.ticket("low", arrival=time.monotonic() - 60))
+    engine.step()  # past its aging bound: it starts at once
+    assert overdue in scheduler.running and lows[1] in scheduler.waiting
+    run_to_end(engine)
+    assert lows[1].finish_reason == "length" and high.finish_reason == "length"
+    assert engine.stats.prefill_seconds > 0 and engine.stats.decode_seconds > 0
+    assert engine.stats.prefill_tokens == sum(len(s.prompt_ids) for s in (high, *lows, overdue))
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_the_pool_starts_queued_work_by_class_and_hands_back_results_errors_and_cancellations():
     pool = QosPool(1, "test-pool")
     gate, holding, started = threading.Event(), threading.Event(), []

@@ -1,0 +1,30 @@
+"""A model's series on tritonserver's metrics port (Prometheus text format), for benchmarks that report what the
+engine did beside what the client saw."""
+from __future__ import annotations
+
+import urllib.request
+
+
+def model_metrics(metrics_url: str, model: str) -> dict[str, float]:
+    """Each metric of `model` (its `model` label), summed over its other labels (classes, versions, buckets)."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        name, brace, rest = line.partition("{")
+        if brace and not line.startswith("#") and f'model="{model}"' in rest:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def engine_steps(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
+    """The LLM engine's steps between two readings (backends/mm_llm's llm_* counters), in words."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    prefill, decode = delta("llm_prefill_steps_total"), delta("llm_decode_steps_total")
+    prefill_s, decode_s = delta("llm_prefill_seconds_total"), delta("llm_decode_seconds_total")
+    return (f"{prefill:.0f} prefill steps (mean {1e3 * prefill_s / max(prefill, 1):.1f} ms, "
+            f"{delta('llm_prefill_tokens_total') / max(prefill, 1):.0f} prompt tokens), {decode:.0f} decode-only "
+            f"steps (mean {1e3 * decode_s / max(decode, 1):.1f} ms, batch "
+            f"{delta('llm_decode_tokens_total') / max(decode, 1):.1f}); the engine stepped "
+            f"{100 * (prefill_s + decode_s) / wall_s:.0f}% of {wall_s:.1f} s")

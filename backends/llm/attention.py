@@ -11,13 +11,17 @@ only converted, never rescaled.
 
 Decode steps on a GPU run the Triton kernel of paged_decode.py, which reads the blocks in place, when the step's
 metadata carries it; elsewhere they gather the blocks and run PyTorch's scaled_dot_product_attention (the kernel's
-reference in the tests). Prompts with nothing cached run causal SDPA one by one (flash on a GPU); a prefill after
-cached tokens runs `by_sequence` (the runner gives each sequence's span). The padded, masked form of the same
-attention, taken when no spans are given, is kept as `by_sequence`'s reference in the tests.
+reference in the tests). Prompts with nothing cached attend over their own new keys and values (`varlen`: the
+sequences' bounds as a device tensor, so the step can be a CUDA graph): flash attention's variable-length kernel on
+a GPU, causal SDPA one prompt at a time elsewhere; with an FP8 cache they read their keys back from it
+(`fresh_lengths`) as decode steps will. A prefill after cached tokens runs `by_sequence` (the runner gives each
+sequence's span). The padded, masked form of the same attention, taken when no spans are given, is kept as
+`by_sequence`'s reference in the tests.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,6 +46,8 @@ class AttentionMetadata:
     fresh_lengths: tuple[int, ...] | None = None  # prefill where no sequence had anything cached: their lengths
     decode_kernel: Callable | None = None  # paged_decode.paged_decode_attention for decode steps (see decode_kernel)
     spans: tuple[tuple[int, int], ...] | None = None  # prefill: (new tokens, context length) of each sequence
+    varlen: tuple[torch.Tensor, int] | None = None  # fresh prompts: ([B + 1] int32 bounds in the step's tokens, an
+    # upper bound of their lengths); the bounds may end with empty sequences
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _lengths: torch.Tensor | None = field(default=None, repr=False)
     _parts: dict = field(default_factory=dict, repr=False)  # per-step pieces every layer shares (see by_sequence)
@@ -76,6 +82,32 @@ def decode_kernel(device: torch.device) -> Callable | None:
 def readable(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered keys or values in `dtype`: an FP8 cache's bytes converted (its scales are applied by the caller)."""
     return cached.view(FP8).to(dtype) if cached.dtype == torch.uint8 else cached
+
+
+@functools.cache
+def _flash_varlen() -> tuple[Callable, dict]:
+    """torch's variable-length flash attention and its causal argument (is_causal before torch 2.11, then a window)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    causal = {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else \
+        {"window_size": (-1, 0)}
+    return varlen_attn, causal
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, max_len: int
+                  ) -> torch.Tensor:
+    """Causal attention of each sequence over its own tokens, sequences one after another in q [T, heads, dim] and
+    k, v [T, kv_heads, dim] between `bounds`; one kernel on a GPU (no host sync, so it can be captured)."""
+    if q.is_cuda:
+        attend, causal = _flash_varlen()
+        return attend(q, k, v, bounds, bounds, max_len, max_len, **causal)
+    out, edges = torch.empty_like(q), bounds.tolist()
+    for start, end in zip(edges, edges[1:]):
+        if end > start:
+            out[start:end] = F.scaled_dot_product_attention(
+                *(t[None, start:end].transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
+    return out
 
 
 def write_kv(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

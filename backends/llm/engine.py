@@ -56,6 +56,8 @@ class EngineConfig(QosParams):
     gpu_memory_utilization: float = bounded(0.9, 0, 1, low_open=True)
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only)
     graph_max_context: int = bounded(4096, 1)  # longest context a graph covers; longer decode steps run eagerly
+    prefill_graph_tokens: int = bounded(2048, 0)  # prefill steps of fresh prompts up to this many tokens replay CUDA
+    # graphs (padded by up to 1.5x; longer ones are bound by their kernels, not the host); 0: prefill runs eagerly
     compile_kernels: bool = True  # torch.compile the elementwise kernels (norms, rotary, SiLU): CUDA only
     prefix_caching: bool = True  # full KV blocks shared between requests with the same prefix (kv_cache.py)
     chunk_tokens: int | None = bounded(None, 1)  # chunked prefill: while sequences decode, a step computes at most
@@ -149,6 +151,8 @@ class LLMEngine:
         if draft is not None:  # the draft's cache holds as many tokens as the model's: it shares the budget
             per_block += kv_bytes_per_block(draft.args.num_hidden_layers, config.block_size,
                                             draft.args.num_key_value_heads, draft.args.head_dim, draft.kv_cache_dtype)
+        capture = config.cuda_graphs and self.device.type == "cuda"
+        self.prefill_graph_tokens = min(config.prefill_graph_tokens, config.max_prefill_tokens) if capture else 0
         num_blocks = config.kv_cache_blocks or self._kv_budget() // per_block - 1  # one goes to the scratch block
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.kv_cache = allocate_kv_cache(args.num_hidden_layers, num_blocks, config.block_size,
@@ -156,9 +160,10 @@ class LLMEngine:
                                           self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.blocks, self.decode_rows,
                                   min(config.graph_max_context, self.max_model_len),
-                                  capture=config.cuda_graphs and self.device.type == "cuda",
+                                  capture=capture,
                                   paged_decode=config.decode_attention == "paged",
-                                  lora=self.adapters and self.adapters.slots)
+                                  lora=self.adapters and self.adapters.slots,
+                                  prefill_graph_tokens=self.prefill_graph_tokens)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
                                    chunk_tokens=config.chunk_tokens, adapters=self.adapters,
                                    lower_share=config.qos_lower_share, lower_tokens=config.qos_lower_tokens)
@@ -177,7 +182,7 @@ class LLMEngine:
                 count = self.runner.capture_all()
                 if isinstance(self.proposer, DraftProposer):
                     count += self.proposer.runner.capture_all()
-            log.info("captured %d decode CUDA graphs (%.2f GiB more reserved)", count,
+            log.info("captured %d CUDA graphs, prefill and decode (%.2f GiB more reserved)", count,
                      (torch.cuda.memory_reserved(self.device) - before) / 2**30)
         self.stats = EngineStats()
         log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB, %s)", args.model_type, config.dtype,
@@ -204,9 +209,12 @@ class LLMEngine:
         if self.device.type != "cuda":
             return 256 * 2**20
         decode, prefill = self._measure_step_memory()
-        # the graphs keep one shared pool, at least as large as the largest decode step (captured first; twice that
-        # leaves room for fragmentation); prefill steps and eager decode steps allocate their temporaries outside it
-        reserve = prefill + (2 * decode if self.config.cuda_graphs else decode)
+        # the graphs keep one shared pool, at least as large as the largest graph (captured first; twice that leaves
+        # room for fragmentation), a prefill graph's step taken as its share of the measured prefill; longer
+        # prefill steps and eager decode steps allocate their temporaries outside it
+        tokens = min(self.config.max_prefill_tokens, self.max_model_len)
+        graphs = max(decode, prefill * self.prefill_graph_tokens // tokens)
+        reserve = prefill + (2 * graphs if self.config.cuda_graphs else decode)
         free, total = torch.cuda.mem_get_info(self.device)
         log.info("measured step memory: decode %.2f GiB, prefill %.2f GiB", decode / 2**30, prefill / 2**30)
         return int(free - (1 - self.config.gpu_memory_utilization) * total - reserve)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
+from backends.llm.attention import AttentionMetadata, paged_attention, varlen_causal, write_kv
 from backends.llm.fp8 import FP8, Fp8Linear, Fp8Scheme, quantize_tokens, scaled_mm_available
 
 if TYPE_CHECKING:
@@ -199,7 +199,10 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.kernels.rotate(q.view(-1, self.heads, self.head_dim), cos, sin)
         k = self.kernels.rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)
-        write_kv(kv, k, v.view(-1, self.kv_heads, self.head_dim), meta.slot_mapping, self.kv_scales)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        write_kv(kv, k, v, meta.slot_mapping, self.kv_scales)
+        if meta.varlen is not None:  # fresh prompts: their own keys and values (see attention.py)
+            return varlen_causal(q, k, v, *meta.varlen).reshape(-1, self.q_size)
         return paged_attention(q, kv, meta, self.kv_scales).reshape(-1, self.q_size)
 
 
@@ -263,9 +266,18 @@ class DecoderModel(nn.Module):
         """Hidden states [T, hidden] of every token of the step (logits are computed only where they are read).
         `embeds` = (token indices, rows): input embeddings that replace those tokens' (image features); `lora`: the
         rows' adapters."""
+        return self.layers_forward(self.embed(input_ids, embeds), positions, kv_cache, meta, lora)
+
+    def embed(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if embeds is not None:
             x[embeds[0]] = embeds[1].to(x.dtype)
+        return x
+
+    def layers_forward(self, x: torch.Tensor, positions: torch.Tensor,
+                       kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                       lora: LoraStep | None = None) -> torch.Tensor:
+        """`forward` from the input embeddings on (what a prefill graph captures)."""
         cos, sin = self.cos[positions], self.sin[positions]
         for layer, kv in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, kv, meta, lora)

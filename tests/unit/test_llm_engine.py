@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from backends.core.errors import InvalidInput
-from backends.llm.attention import AttentionMetadata, paged_attention, write_kv
+from backends.llm.attention import AttentionMetadata, paged_attention, varlen_causal, write_kv
 from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
+from backends.llm.runner import ModelRunner
 from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import tiny_checkpoint
 from tests.conftest import ROOT
@@ -161,6 +162,42 @@ def test_prefill_attention_paths_agree_with_plain_causal_attention():
         start += n
     torch.testing.assert_close(fresh, torch.cat(expected))
     torch.testing.assert_close(masked, torch.cat(expected))
+    # their own keys between bounds, then padding (a prompt of 2 tokens) and empty prompts: a padded prefill graph's
+    pad = lambda t: torch.cat([t, torch.randn(2, *t.shape[1:])])  # noqa: E731
+    bounds = torch.tensor([0, 5, 14, 16, 16], dtype=torch.int32)
+    torch.testing.assert_close(varlen_causal(pad(q), pad(k), pad(v), bounds, 16)[:14], torch.cat(expected))
+
+
+def test_prefill_padded_to_graph_sizes_gives_the_same_tokens(checkpoint, reference, monkeypatch):
+    """What a prefill graph runs (fresh prompts padded to a size, from the static inputs), eagerly on the CPU: the
+    padding writes only the scratch block, so every sequence's greedy tokens stay transformers'."""
+    engine = make_engine(checkpoint)
+    runner = ModelRunner(engine.model, engine.kv_cache, engine.blocks, engine.decode_rows, 64, capture=False,
+                         prefill_graph_tokens=100)
+    assert runner.prefill_sizes == (16, 32, 64, 100)
+    sizes = []
+    monkeypatch.setattr(runner, "prefill_static", lambda size, real=runner.prefill_static: sizes.append(size)
+                        or real(size))
+    engine.runner = runner
+    prompts = [PROMPTS[:3], PROMPTS[3:]]  # two prefill steps of different sizes
+    for batch in prompts:
+        for prompt, seq in zip(batch, engine.generate(batch, SamplingParams(max_tokens=12))):
+            assert seq.output_ids == reference(prompt, 12), prompt
+    tokens = [sum(len(engine.tokenizer.encode(p)) for p in batch) for batch in prompts]
+    assert sizes == [next(s for s in runner.prefill_sizes if s >= n) for n in tokens]
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
+def test_prefill_graphs_give_the_eager_tokens_on_a_gpu(checkpoint):
+    params = SamplingParams(max_tokens=24, min_tokens=24)
+    outputs = []
+    for tokens in (2048, 0):
+        engine = make_engine(checkpoint, dtype="bf16", device="cuda", kv_cache_memory_mb=64,
+                             prefill_graph_tokens=tokens)
+        assert len(engine.runner.prefill_sizes) == (10 if tokens else 0)
+        outputs.append([[s.output_ids for s in engine.generate(batch, params)] for batch in (PROMPTS, PROMPTS[:1])])
+    assert outputs[0] == outputs[1]
 
 
 def test_prefill_by_sequence_equals_the_padded_masked_path():

@@ -39,14 +39,16 @@ def test_image_embeddings_equal_transformers(checkpoint):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tiling", ["pillow", "torch", "pillow-chunked"])
-def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tiling):
+@pytest.mark.parametrize("tiling", ["pillow", "torch", "pillow-chunked", "pillow-padded"])
+def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tiling, monkeypatch):
     """`torch` is the on-device preprocessing path (run on the CPU here): pixels within rounding of Pillow's, and
     still the same greedy tokens as the reference. `chunked`: the image prompts arrive while another sequence
-    decodes, so they prefill in chunks of a few tokens (cut inside the image) beside it."""
+    decodes, so they prefill in chunks of a few tokens (cut inside the image) beside it. `padded`: the prompts
+    prefill as a prefill graph would, padded, from the static inputs (the image features put in first)."""
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
 
     from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.runner import ModelRunner
     from backends.llm.sampling import SamplingParams
     from backends.media.device_images import anyres_tiles
 
@@ -56,6 +58,12 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tili
     preprocess = ImagePreprocessor.from_dict(image_processor_config(checkpoint))
     vision = LlavaVision(checkpoint, tiler)
     engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, chunk_tokens=24))
+    padded = []
+    if tiling.endswith("padded"):
+        engine.runner = ModelRunner(engine.model, engine.kv_cache, engine.blocks, engine.decode_rows, 4096,
+                                    capture=False, prefill_graph_tokens=engine.config.max_prefill_tokens)
+        monkeypatch.setattr(engine.runner, "prefill_static", lambda size, real=engine.runner.prefill_static:
+                            padded.append(size) or real(size))
     if tiling.endswith("chunked"):
         engine.add("red car", SamplingParams(max_tokens=200, min_tokens=200))
         engine.step()  # it decodes from now on
@@ -80,6 +88,7 @@ def test_engine_with_image_embeddings_generates_like_llava_next(checkpoint, tili
         engine.step()
     assert [s.output_ids for s in seqs] == expected and all(len(e) == 12 for e in expected)
     assert [s.output_ids for s in blind] != expected  # the image embeddings changed the answer
+    assert bool(padded) == tiling.endswith("padded")
     prompts = len(seqs + blind)  # whole, they prefill in a step or two; in chunks, over many more
     assert (engine.stats.prefill_steps > prompts + 1) == tiling.endswith("chunked")
 

@@ -13,9 +13,10 @@ A prefill step of fresh prompts (nothing cached, no adapters) of up to `prefill_
 the same way to a size of PREFILL_SIZES and replayed from a graph too: eagerly it is bound by the host (on the H200
 an 8B model's 257-token prefill took about 45 ms of launches for a few ms of kernels). Its input is the embeddings
 (image features already in place) and each prompt's bounds; the padding is one more prompt, written to the scratch
-block. With LoRA slots, every step hands
-the model its rows' adapters as tiles (backends/llm/lora.py); decode graphs read them from static buffers like the
-token ids.
+block.
+
+With LoRA slots, every step hands the model its rows' adapters as tiles (backends/llm/lora.py); decode graphs read
+them from static buffers like the token ids.
 """
 from __future__ import annotations
 
@@ -86,8 +87,7 @@ class ModelRunner:
         self.prefill_sizes = prefill_sizes(prefill_graph_tokens) if self.varlen else ()
         if self.prefill_sizes:  # static inputs of the largest padded prefill: embeddings | positions, slots | bounds
             tokens = self.prefill_sizes[-1]
-            self.prefill_x = torch.zeros(tokens, model.args.hidden_size, dtype=model.embed_tokens.weight.dtype,
-                                         device=self.device)
+            self.prefill_x = torch.zeros(tokens, model.args.hidden_size, dtype=dtype, device=self.device)
             self.prefill_staged = torch.zeros(2 * tokens, dtype=torch.int64, device=self.device)
             self.prefill_host = torch.zeros(2 * tokens, dtype=torch.int64, pin_memory=pinned)
             self.prefill_bounds = torch.zeros(b + 2, dtype=torch.int32, device=self.device)  # B <= max_batch

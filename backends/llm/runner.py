@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 from typing import Callable
 
 import torch
@@ -32,6 +33,7 @@ from backends.llm.lora import MIXED, LoraSlots, LoraStep, plan_tiles
 from backends.llm.model import DecoderModel
 from backends.llm.sequence import Sequence
 
+log = logging.getLogger(__name__)
 
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # padding <= 1.5x
 
@@ -239,10 +241,15 @@ class ModelRunner:
             tokens = len(self.prefill_x)
             self.prefill_staged[:tokens].zero_()
             self.prefill_staged[tokens:].fill_(SCRATCH_BLOCK * self.blocks.block_size)
-            for size in reversed(self.prefill_sizes):
-                self.prefill_bounds.fill_(size)
-                self.prefill_bounds[0] = 0
-                self.prefill_graphs[size] = self.record(lambda: self.prefill_static(size))
+            try:
+                for size in reversed(self.prefill_sizes):
+                    self.prefill_bounds.fill_(size)
+                    self.prefill_bounds[0] = 0
+                    self.prefill_graphs[size] = self.record(lambda: self.prefill_static(size))
+            except Exception as exc:  # an op that capture refuses: prefill stays eager, a slower path
+                log.warning("prefill CUDA graphs unavailable (%s: %s); prefill runs eagerly", type(exc).__name__, exc)
+                torch.cuda.synchronize(self.device)
+                self.prefill_sizes, self.prefill_graphs = (), {}
         batches = [1 << i for i in range(self.max_batch.bit_length())]
         widths = [1 << i for i in range(self.max_blocks.bit_length())]
         for batch in reversed(batches):  # largest first: the smaller ones that follow reuse its pool memory

@@ -117,7 +117,8 @@ if [[ " ${SCENARIOS:-images} " == *" ensembles "* ]]; then
       single-device) flags=(--preprocess-on-device true) ;;
       single-device-x*) flags=(--preprocess-on-device true --instances "${variant#single-device-x}") ;;
       single-device-compile) flags=(--preprocess-on-device true --torch-compile true) ;;
-      single-device-compile-adaptive) flags=(--preprocess-on-device true --torch-compile true --batch-window adaptive) ;;
+      single-device-compile-adaptive) flags=(--preprocess-on-device true --torch-compile true
+                                            --batch-window adaptive) ;;
       ensemble) flags=(--ensemble --preprocess-instances "${ENSEMBLE_INSTANCES:-4}") ;;
       device) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true) ;;
       device-x2) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true \

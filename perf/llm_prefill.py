@@ -94,6 +94,19 @@ def profile_warm_step(engine: LLMEngine, args) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
+def diagnostics(device: torch.device) -> str:
+    """What makes host-bound eager steps slower between runs: torch.compile graphs made so far (each a cache entry
+    its guards check on every call) and the CUDA allocator's retries (frees and mallocs when its cache runs short)."""
+    from torch._dynamo.utils import counters
+
+    text = f"torch.compile graphs so far: {counters['stats']['unique_graphs']}"
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        text += (f"; CUDA allocator: {stats.get('num_alloc_retries', 0)} retries, "
+                 f"{stats.get('num_device_alloc', 0)} device allocations")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.llm_prefill", description=__doc__)
     parser.add_argument("--random-init", choices=["llama-3-8b"])
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     del reference
     base = dict(dtype=dtype, device=str(device), max_batch=max(64, args.streams + args.long_prompts),
                 kv_cache_memory_mb=16384 if device.type == "cuda" else 512)
-    rows, found = [], {}
+    rows, found, checks = [], {}, []
     for label, overrides in [(f"chunked prefill ({args.chunk_tokens} tokens a step)",
                               dict(chunk_tokens=args.chunk_tokens)), ("whole prompts in steps of their own",
                                                                       dict(chunk_tokens=None))]:
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.generate(prompts(2, 64, engine.model.args.vocab_size, seed=3), SamplingParams(max_tokens=4))
         found[label] = interference(engine, args)
         print(label, found[label], flush=True)
+        checks.append(f"after `{label}`: {diagnostics(device)}")
         rows.append([label, *(f"{found[label][k]:.1f}" for k in ("itl_p50", "itl_p99", "itl_max", "ttft"))])
         del engine
         gc.collect()
@@ -138,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if caching and args.profile:
             profile_warm_step(engine, args)
         print("prefix caching", caching, cold, warm, flush=True)
+        checks.append(f"after prefix caching {'on' if caching else 'off'}: {diagnostics(device)}")
         prefix_rows.append([f"prefix caching {'on' if caching else 'off'}", f"{cold:.1f}", f"{warm:.1f}",
                             f"{warm / cold:.2f}"])
         del engine
@@ -146,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"Model: {model}, {dtype}, in process on {device}. Interference: {args.streams} streams decoding "
              f"(128-token prompts), then {args.long_prompts} prompts of {args.long_tokens} tokens, one every "
              f"{args.arrival_steps} steps; ITL = wall time of each step while the streams decode (prefix caching off).",
-             f"Command: `{command}`."]
+             *checks, f"Command: `{command}`."]
     hardware = hardware_line("n/a (in-process)")
     path = write_table(args.results / args.host, "llm-chunked-prefill", ["engine", "running streams ITL p50 ms",
                                                                          "ITL p99 ms", "ITL max ms",

@@ -80,7 +80,8 @@ def serve_and_sweep(variant: Variant, model: str, image_sets: list[str], concurr
             points, _, notes = sweep(model, server, data, csvs, "concurrency", concurrency, interval_ms)
             for step, (old, old_metrics) in zip(steps, before):
                 notes.append(describe_step(step, old, step_stats(client, step)))
-                batched = {name: model_metrics(server.metrics_url, step).get(name, 0) - old_metrics.get(name, 0)
+                now = model_metrics(server.metrics_url, step)
+                batched = {name: now.get(name, 0) - old_metrics.get(name, 0)
                            for name in ("batcher_requests_total", "batcher_batches_total")}
                 if batched["batcher_batches_total"]:  # our batcher: Triton counts an execution per request
                     notes.append(f"step {step}, our batcher: {batched['batcher_requests_total']:.0f} requests in "

@@ -107,10 +107,8 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """The next `step_tokens` uncached tokens of each sequence (a prompt, a chunk of one, or a decoding
         sequence's newest token); logits [B, vocab] of each sequence's last computed token."""
-        ids, positions, slots, seq_index, query_index, last = [], [], [], [], [], []
-        max_query = max(s.step_tokens for s in seqs)
-        query_positions, embed_index, embed_rows = [], [], []
-        for b, seq in enumerate(seqs):
+        ids, positions, slots, last, embed_index, embed_rows = [], [], [], [], [], []
+        for seq in seqs:
             end = seq.num_cached + seq.step_tokens
             span = range(seq.num_cached, end)
             if seq.embeds is not None:  # image features replace their placeholders (positions ascend)
@@ -121,9 +119,6 @@ class ModelRunner:
             ids += seq.token_ids[seq.num_cached:end]
             positions += span
             slots += [self.blocks.slot(seq, p) for p in span]
-            seq_index += [b] * len(span)
-            query_index += range(len(span))
-            query_positions.append(list(span) + [0] * (max_query - len(span)))
             last.append(len(ids) - 1)
         fresh = tuple(s.step_tokens for s in seqs) if all(s.num_cached == 0 for s in seqs) else None
         embeds = (self.tensor(embed_index), torch.cat(embed_rows).to(self.device)) if embed_index else None
@@ -132,12 +127,18 @@ class ModelRunner:
             if size := next((size for size in self.prefill_sizes if size >= len(ids)), None):
                 x = self.model.embed(self.tensor(ids), embeds)
                 return self.model.logits(self.prefill_padded(x, positions, slots, fresh, size)[self.tensor(last)])
+        # the eager step's per-token metadata (the padded one needs none of it)
+        max_query = max(s.step_tokens for s in seqs)
+        query_positions = [[*range(s.num_cached, s.num_cached + s.step_tokens), *[0] * (max_query - s.step_tokens)]
+                           for s in seqs]
+        seq_index = [b for b, s in enumerate(seqs) for _ in range(s.step_tokens)]
+        query_index = [i for s in seqs for i in range(s.step_tokens)]
+        varlen = (self.tensor([0, *itertools.accumulate(fresh)], torch.int32), max(fresh)) \
+            if fresh and self.varlen else None
         meta = AttentionMetadata(self.tensor(slots), self.block_tables(seqs), self.tensor(query_positions),
                                  (self.tensor(seq_index), self.tensor(query_index)),
                                  max(s.num_cached + s.step_tokens for s in seqs), fresh, self.decode_kernel,
-                                 tuple((s.step_tokens, s.num_cached + s.step_tokens) for s in seqs))
-        if fresh and self.varlen:
-            meta.varlen = (self.tensor([0, *itertools.accumulate(fresh)], torch.int32), max(fresh))
+                                 tuple((s.step_tokens, s.num_cached + s.step_tokens) for s in seqs), varlen=varlen)
         hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds, lora)
         return self.model.logits(hidden[self.tensor(last)])
 

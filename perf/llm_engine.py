@@ -102,6 +102,14 @@ def engine_concurrent(engine: LLMEngine, batch: list[list[int]], new_tokens: int
     return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - start)
 
 
+def step_breakdown(stats: EngineStats) -> str:
+    """Where a run's engine time went, from the engine's step counters."""
+    decode_ms = 1e3 * stats.decode_seconds / max(stats.decode_steps, 1)
+    return (f"{stats.prefill_steps} prefill steps ({stats.prefill_tokens} prompt tokens) took "
+            f"{stats.prefill_seconds:.3f} s, {stats.decode_steps} decode steps {stats.decode_seconds:.3f} s "
+            f"({decode_ms:.2f} ms a step, mean batch {stats.decode_tokens / max(stats.decode_steps, 1):.1f})")
+
+
 def graph_replay_ms(engine: LLMEngine, repeats: int = 50) -> float | None:
     """GPU time of the batch-1 decode graph alone, or None without graphs."""
     if not engine.runner.graphs:
@@ -183,6 +191,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         engine.stats = EngineStats()
         concurrent = engine_concurrent(engine, prompts(args.concurrency, args.input_tokens, vocab, seed=2),
                                        args.output_tokens)
+        notes.append(f"{label}, the concurrent run: {step_breakdown(engine.stats)}.")
         roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
         found.append(dict(batch1=batch1, concurrent=concurrent, ready=ready_s, roofline=roofline,
                           replay=graph_replay_ms(engine) or float("nan")))
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     theirs_n = transformers_generate(reference, batch, args.output_tokens, device)
     rows.append([f"output tokens/s, {args.concurrency} x {args.input_tokens} in / {args.output_tokens} out",
                  f"{ours_n:.1f}", f"{theirs_n:.1f}", f"{ours_n / theirs_n:.2f}",
-                 f"mean decode batch {stats.decode_tokens / max(stats.decode_steps, 1):.1f}"])
+                 step_breakdown(stats)])
     shape = (f"{engine.model.args.model_type}, {sum(p.numel() for p in engine.model.parameters()) / 1e9:.2f} B "
              f"parameters, {args.dtype}, {'random init' if args.random_init else checkpoint}")
     notes = [f"Model: {shape}. Device copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s (read + write).",

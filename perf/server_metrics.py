@@ -23,8 +23,8 @@ def engine_steps(before: dict[str, float], after: dict[str, float], wall_s: floa
 
     prefill, decode = delta("llm_prefill_steps_total"), delta("llm_decode_steps_total")
     prefill_s, decode_s = delta("llm_prefill_seconds_total"), delta("llm_decode_seconds_total")
-    return (f"{prefill:.0f} prefill steps (mean {1e3 * prefill_s / max(prefill, 1):.1f} ms, "
-            f"{delta('llm_prefill_tokens_total') / max(prefill, 1):.0f} prompt tokens), {decode:.0f} decode-only "
-            f"steps (mean {1e3 * decode_s / max(decode, 1):.1f} ms, batch "
+    return (f"{delta('llm_prefill_tokens_total'):.0f} prompt tokens, {prefill:.0f} prefill steps (mean "
+            f"{1e3 * prefill_s / max(prefill, 1):.1f} ms), {decode:.0f} decode steps, short prompts riding some "
+            f"(mean {1e3 * decode_s / max(decode, 1):.1f} ms, batch "
             f"{delta('llm_decode_tokens_total') / max(decode, 1):.1f}); the engine stepped "
             f"{100 * (prefill_s + decode_s) / wall_s:.0f}% of {wall_s:.1f} s")

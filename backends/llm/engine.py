@@ -63,6 +63,8 @@ class EngineConfig(QosParams):
     chunk_tokens: int | None = bounded(None, 1)  # chunked prefill: while sequences decode, a step computes at most
     # this many tokens, theirs and chunks of new prompts; unset (default until prefill steps run from CUDA graphs:
     # measured no faster, README): a new prompt prefills whole in a step of its own
+    prompt_rows: int = bounded(32, 0)  # a prompt of at most this many tokens joins a decode step as rows beside the
+    # decoding sequences' (its graph's, while rows are free) instead of a prefill step of its own; 0: never
     qos_lower_share: float = bounded(0.25, 0, 1, low_open=True)  # while a higher QoS class runs, prompts of lower
     # classes start in at most this share of the engine's time (1: no limit; overdue ones always start)
     qos_lower_tokens: int | None = bounded(2048, 1)  # and in steps of at most this many prompt tokens (a longer
@@ -99,10 +101,10 @@ class StepFailed(RuntimeError):
 @dataclass
 class EngineStats:
     prefill_steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed (chunks and recomputed prompts too)
-    prefill_seconds: float = 0.0  # wall time of steps that computed prompt tokens (mixed steps too)
+    prefill_tokens: int = 0  # prompt tokens computed (chunks, recomputed prompts, and those riding decode steps)
+    prefill_seconds: float = 0.0  # wall time of prefill steps (chunked prefill's mixed steps too)
     decode_steps: int = 0
-    decode_seconds: float = 0.0  # wall time of the steps that only decoded
+    decode_seconds: float = 0.0  # wall time of decode steps (short prompts riding them too)
     decode_tokens: int = 0  # sum of decode batch sizes
     max_decode_batch: int = 0
     generated_tokens: int = 0
@@ -166,7 +168,8 @@ class LLMEngine:
                                   prefill_graph_tokens=self.prefill_graph_tokens)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
                                    chunk_tokens=config.chunk_tokens, adapters=self.adapters,
-                                   lower_share=config.qos_lower_share, lower_tokens=config.qos_lower_tokens)
+                                   lower_share=config.qos_lower_share, lower_tokens=config.qos_lower_tokens,
+                                   prompt_rows=config.prompt_rows, max_rows=self.decode_rows)
         self.qos = QosPolicy(config)
         self.proposer = None
         if config.speculative == "ngram":
@@ -322,12 +325,16 @@ class LLMEngine:
         started = time.monotonic()
         # a sequence whose step ends before its last token (a prompt chunk) gets no token this step
         done = [i for i, s in enumerate(seqs) if s.num_cached + s.step_tokens == s.num_tokens]
+        prompt_tokens = sum(s.step_tokens for s in seqs if s.num_cached == 0 or s.num_tokens - s.num_cached > 1)
+        decoding = sum(s.num_cached > 0 and s.num_tokens - s.num_cached == 1 for s in seqs)
         try:
-            drafts = None if is_prefill else self._propose(seqs)
+            drafts = None if is_prefill or decoding < len(seqs) else self._propose(seqs)
             if drafts:
                 tokens = self._verify(self.runner.decode(seqs), seqs, drafts)
             else:
                 logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+                if not is_prefill and decoding < len(seqs):  # prompts rode the decode step: their last rows
+                    logits = logits[[row - 1 for row in itertools.accumulate(s.step_tokens for s in seqs)]]
                 tokens = [t if isinstance(t, Exception) else [t] for t in sample(
                     logits if len(done) == len(seqs) else logits[done], [seqs[i] for i in done], self.eos_ids)]
         except Exception as e:
@@ -338,11 +345,10 @@ class LLMEngine:
                     seq.draft_ids = []
         seconds = time.monotonic() - started  # sampling has brought the tokens to the host: the step is over
         self.scheduler.yielded(seconds)
-        decoding = sum(s.step_tokens == 1 and s.num_cached > 0 for s in seqs) if is_prefill else len(seqs)
+        self.stats.prefill_tokens += prompt_tokens
         if is_prefill:
             self.stats.prefill_steps += 1
             self.stats.prefill_seconds += seconds
-            self.stats.prefill_tokens += sum(s.step_tokens for s in seqs) - decoding
         else:
             self.stats.decode_seconds += seconds
         if decoding:

@@ -1,9 +1,10 @@
 """Turns a scheduled batch into the model's tensors, runs it, and returns the logits of each sequence's last token
 (the only logits anyone reads), or in decode steps of each row.
 
-A decode step has one row per token it computes: a sequence's newest token, and with speculative decoding the
-tokens proposed after it (each row attends to its sequence's blocks up to its own position, so the rows of one
-sequence are causal among themselves and the step is still a decode step: same kernels, same graphs).
+A decode step has one row per token it computes: a sequence's newest token, with speculative decoding the
+tokens proposed after it, and every token of a short prompt riding the step (each row attends to its sequence's
+blocks up to its own position, so the rows of one sequence are causal among themselves and the step is still a
+decode step: same kernels, same graphs).
 Decode steps run with fixed shapes: the rows are padded to a bucket (1, 2, 4, ... rows) and the block tables to
 a power-of-two number of blocks; padded rows write and read only the scratch block. On CUDA each (batch, blocks)
 shape is captured once as a CUDA graph and replayed, so a step costs its kernels' time, not thousands of launches.

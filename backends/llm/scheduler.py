@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next step.
 
 A step is either a prefill (waiting sequences join: their prompts, or prompt + output after a preemption, go
-through the model at once) or a decode (every running sequence adds one token). New requests join between decode
+through the model at once) or a decode (every running sequence adds one token). Short prompts (`prompt_rows`) join
+a decode step instead, a row per token, when the step has rows to spare: a step of their own would cost a pass over
+the weights, and every running sequence would wait for it. New requests join between decode
 steps as soon as the batch and the KV cache have room. When a decode step needs a block and none is free, the
 sequence that would run last (`policy` order) is preempted: its blocks are freed and it is recomputed later. A full
 batch preempts the same way for a waiting sequence of a higher QoS class (backends/core/qos.py).
@@ -30,8 +32,11 @@ def qos_order(seq: Sequence, now: float) -> tuple:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=qos_order,
                  chunk_tokens: int | None = None, adapters: AdapterCache | None = None,
-                 lower_share: float = 1.0, lower_tokens: int | None = None):
+                 lower_share: float = 1.0, lower_tokens: int | None = None, prompt_rows: int = 0,
+                 max_rows: int | None = None):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
+        # prompts of at most `prompt_rows` uncached tokens ride decode steps of at most `max_rows` rows
+        self.prompt_rows, self.max_rows = prompt_rows, max_rows or max_batch
         self.adapters = adapters
         self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
         # while a higher QoS class runs, lower-class prompts start in at most `lower_share` of the engine's time, in
@@ -60,7 +65,11 @@ class Scheduler:
         now = time.monotonic()
         self.order = lambda seq: self.policy(seq, now)
         self.now, self.lower_step = now, False
-        decoding = any(s.num_tokens - s.num_cached == 1 for s in self.running)
+        decoding = sum(s.num_tokens - s.num_cached == 1 for s in self.running)
+        if self.chunk_tokens is None and decoding and self.prompt_rows:
+            if riders := self._prefill(self.max_rows - decoding, chunked=False, longest=self.prompt_rows):
+                decode = self._decode()  # (it may preempt a rider, and takes one of a single token itself)
+                return decode + [s for s in riders if s.status is Status.RUNNING and s not in decode], False
         if self.chunk_tokens is None or not decoding:
             if prefill := self._prefill(self.max_prefill_tokens, chunked=False):
                 return prefill, True
@@ -69,10 +78,11 @@ class Scheduler:
         prefill = self._prefill(max(self.chunk_tokens - len(decode), self.blocks.block_size), chunked=True)
         return decode + prefill, bool(prefill)
 
-    def _prefill(self, budget: int, chunked: bool) -> list[Sequence]:
+    def _prefill(self, budget: int, chunked: bool, longest: int | None = None) -> list[Sequence]:
         """Sequences part-way through their prompt first, then waiting ones admitted in policy order (shared prefix
         blocks and new ones), while the token budget lasts; a chunked step cuts the last prompt at the budget, an
-        unchunked one runs a longer prompt whole when it comes first.
+        unchunked one runs a longer prompt whole when it comes first. With `longest` (riders of a decode step) the
+        order stops at a prompt of more tokens than that or than the budget, or with image features.
 
         A waiting prompt of a lower class than one running or chosen, not overdue, starts only when the lower
         classes' share of time allows (`yielded`) and within `lower_tokens`: a prefill step delays every decoding
@@ -89,6 +99,9 @@ class Scheduler:
                     break
                 budget = min(budget, self.lower_tokens or budget)
             if budget <= 0:
+                break
+            if longest is not None and (seq.num_tokens - seq.num_cached > min(longest, budget)
+                                        or seq.embeds is not None):
                 break
             if seq.status is Status.WAITING:
                 if len(self.running) >= self.max_batch and not self._make_room(seq, chosen):

@@ -56,9 +56,9 @@ GAUGES = {"llm_kv_blocks_free": "KV-cache blocks free", "llm_kv_blocks_total": "
           "llm_sequences_waiting": "sequences waiting for a batch slot or KV blocks",
           "llm_decode_batch_max": "largest decode batch so far"}
 COUNTERS = {"llm_prefill_steps_total": "prefill steps", "llm_decode_steps_total": "decode steps",
-            "llm_prefill_tokens_total": "prompt tokens computed by prefill steps",
-            "llm_prefill_seconds_total": "time in steps that computed prompt tokens",
-            "llm_decode_seconds_total": "time in steps that only decoded",
+            "llm_prefill_tokens_total": "prompt tokens computed (short ones riding decode steps too)",
+            "llm_prefill_seconds_total": "time in prefill steps",
+            "llm_decode_seconds_total": "time in decode steps (short prompts riding them too)",
             "llm_decode_tokens_total": "tokens produced by decode steps (sum of decode batch sizes)",
             "llm_generated_tokens_total": "tokens generated", "llm_preemptions_total": "sequences preempted",
             "llm_prefix_cache_hit_tokens_total": "prompt tokens whose KV came from the prefix cache",

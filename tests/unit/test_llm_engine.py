@@ -245,7 +245,8 @@ def test_a_failed_model_step_names_the_sequences_in_it(checkpoint, monkeypatch):
     untouched and finish."""
     from backends.llm.engine import StepFailed
 
-    engine = make_engine(checkpoint, chunk_tokens=None)  # the second's prefill runs alone, not mixed with the first
+    # the second's prefill runs alone, not mixed with the first nor riding its decode step
+    engine = make_engine(checkpoint, chunk_tokens=None, prompt_rows=0)
     first = engine.add(PROMPTS[0], SamplingParams(max_tokens=8))
     engine.step()  # prefill of the first alone
     second = engine.add(PROMPTS[1], SamplingParams(max_tokens=8))
@@ -260,6 +261,31 @@ def test_a_failed_model_step_names_the_sequences_in_it(checkpoint, monkeypatch):
     while engine.has_work:
         engine.step()
     assert first.finish_reason in ("length", "stop") and second.finish_reason == "cancelled"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_short_prompts_ride_decode_steps_with_the_same_tokens(checkpoint, reference):
+    """Prompts of up to `prompt_rows` tokens join the running sequence's decode step (a row a token) and get their
+    first token from it; a longer one still prefills in a step of its own."""
+    engine = make_engine(checkpoint, prompt_rows=16)
+    running = engine.add(PROMPTS[0], SamplingParams(max_tokens=30))
+    engine.step()  # its prefill, alone
+    short = [engine.add(p, SamplingParams(max_tokens=20)) for p in (PROMPTS[1], PROMPTS[3], PROMPTS[4])]
+    assert all(len(s.prompt_ids) <= 16 for s in short)
+    engine.step()
+    assert len(running.output_ids) == 2 and all(len(s.output_ids) == 1 for s in short)
+    assert engine.stats.prefill_steps == 1 and engine.stats.prefill_tokens == sum(
+        len(s.prompt_ids) for s in [running, *short])
+    long_prompt = " ".join(PROMPTS)
+    late = engine.add(long_prompt, SamplingParams(max_tokens=12))
+    assert len(late.prompt_ids) > 16
+    engine.step()
+    assert len(running.output_ids) == 2 and len(late.output_ids) == 1 and engine.stats.prefill_steps == 2
+    while engine.has_work:
+        engine.step()
+    assert running.output_ids == reference(PROMPTS[0], 30) and late.output_ids == reference(long_prompt, 12)
+    for prompt, seq in zip((PROMPTS[1], PROMPTS[3], PROMPTS[4]), short):
+        assert seq.output_ids == reference(prompt, 20), prompt
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

@@ -205,11 +205,12 @@ def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_
     engine.step()
     lows = [engine.add(p, SamplingParams(max_tokens=2, min_tokens=2), ticket=qos.ticket("low")) for p in short]
     engine.step()  # the gate is open: one low prompt starts (6 tokens of the cap of 8; two would be 12)
-    assert scheduler.running == [high, lows[0]] and engine.stats.prefill_steps == 2
+    started = len(high.prompt_ids) + 6
+    assert scheduler.running == [high, lows[0]] and engine.stats.prefill_tokens == started
     assert scheduler.lower_open_at > time.monotonic()  # that step's time, 99 times over
     for _ in range(3):
         engine.step()  # the high request decodes; the second low prompt waits for the share of time
-        assert lows[1] in scheduler.waiting and engine.stats.prefill_steps == 2
+        assert lows[1] in scheduler.waiting and engine.stats.prefill_tokens == started
     overdue = engine.add("waited", SamplingParams(max_tokens=2, min_tokens=2),
                          ticket=qos.ticket("low", arrival=time.monotonic() - 60))
     engine.step()  # past its aging bound: it starts at once

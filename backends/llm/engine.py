@@ -63,10 +63,12 @@ class EngineConfig(QosParams):
     chunk_tokens: int | None = bounded(None, 1)  # chunked prefill: while sequences decode, a step computes at most
     # this many tokens, theirs and chunks of new prompts; unset (default until prefill steps run from CUDA graphs:
     # measured no faster, README): a new prompt prefills whole in a step of its own
-    prompt_rows: int = bounded(32, 0)  # a prompt of at most this many tokens joins a decode step as rows beside the
-    # decoding sequences' (its graph's, while rows are free) instead of a prefill step of its own; 0: never
+    prompt_rows: int = bounded(128, 0)  # a decode step also computes up to this many prompt tokens, a row each (its
+    # CUDA graph's): a prompt that fits joins it whole instead of a prefill step of its own, and while a higher QoS
+    # class runs, lower-class prompts start only so, in chunks; 0: never (lower classes get qos_lower_share instead)
     qos_lower_share: float = bounded(0.25, 0, 1, low_open=True)  # while a higher QoS class runs, prompts of lower
-    # classes start in at most this share of the engine's time (1: no limit; overdue ones always start)
+    # classes that cannot ride decode steps (images; all with prompt_rows 0) start in at most this share of the
+    # engine's time (1: no limit; overdue ones always start)
     qos_lower_tokens: int | None = bounded(2048, 1)  # and in steps of at most this many prompt tokens (a longer
     # prompt alone); unset: max_prefill_tokens
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
@@ -127,8 +129,10 @@ class LLMEngine:
                                 compile_kernels=config.compile_kernels and self.device.type == "cuda",
                                 gemv=config.decode_linear == "gemv")
         args = self.model.args
-        # rows of the widest decode step: its sequences, with speculation each with its proposals
-        self.decode_rows = max(config.max_batch, config.speculative_max_batch * (1 + config.num_speculative_tokens)
+        # rows of the widest decode step: its sequences and the prompt tokens riding it, or with speculation each
+        # sequence with its proposals
+        self.decode_rows = max(config.max_batch + config.prompt_rows,
+                               config.speculative_max_batch * (1 + config.num_speculative_tokens)
                                if config.speculative != "off" else 0)
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         # the longest text a prompt that fits the context can be: every token its vocabulary's longest, 4 UTF-8
@@ -332,9 +336,13 @@ class LLMEngine:
             if drafts:
                 tokens = self._verify(self.runner.decode(seqs), seqs, drafts)
             else:
-                logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
-                if not is_prefill and decoding < len(seqs):  # prompts rode the decode step: their last rows
-                    logits = logits[[row - 1 for row in itertools.accumulate(s.step_tokens for s in seqs)]]
+                if is_prefill:
+                    logits = self.runner.prefill(seqs)
+                elif decoding < len(seqs):  # prompts (or chunks of them) rode the decode step: their last rows
+                    rows = [s.step_tokens for s in seqs]
+                    logits = self.runner.decode(seqs, rows=rows)[[r - 1 for r in itertools.accumulate(rows)]]
+                else:
+                    logits = self.runner.decode(seqs)
                 tokens = [t if isinstance(t, Exception) else [t] for t in sample(
                     logits if len(done) == len(seqs) else logits[done], [seqs[i] for i in done], self.eos_ids)]
         except Exception as e:

@@ -182,12 +182,14 @@ class ModelRunner:
         return LoraStep(self.lora, self.tensor(plan.perm), self.tensor(plan.tiles),
                         self.tensor(plan.weights, torch.float32), self.tensor([len(plan.tiles)]))
 
-    def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Every uncached token of each sequence (its newest one, or more after a rollback in a draft's cache), then
-        its `draft_ids`; logits [rows, vocab], a sequence's rows in order. `ids`: the rows' token ids on the device
-        (the host's copy of them is not read), so a step can follow the last without a device sync."""
-        rows = [(seq, position) for seq in seqs for position in range(seq.num_cached,
-                                                                       seq.num_tokens + len(seq.draft_ids))]
+    def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None, rows: list[int] | None = None
+               ) -> torch.Tensor:
+        """Every uncached token of each sequence (its newest one, a prompt, or more after a rollback in a draft's
+        cache), then its `draft_ids`, or the first `rows[i]` of them (a prompt's chunk); logits [rows, vocab], a
+        sequence's rows in order. `ids`: the rows' token ids on the device (the host's copy of them is not read), so
+        a step can follow the last without a device sync."""
+        rows = [(seq, position) for i, seq in enumerate(seqs) for position in range(
+            seq.num_cached, seq.num_tokens + len(seq.draft_ids) if rows is None else seq.num_cached + rows[i])]
         widest = max(len(s.block_table) for s in seqs)
         if len(rows) <= self.max_batch and widest <= self.max_blocks:
             return self.decode_padded(rows, bucket(len(rows)), bucket(widest), ids)

@@ -2,9 +2,9 @@
 
 A step is either a prefill (waiting sequences join: their prompts, or prompt + output after a preemption, go
 through the model at once) or a decode (every running sequence adds one token). Short prompts (`prompt_rows`) join
-a decode step instead, a row per token, when the step has rows to spare: a step of their own would cost a pass over
-the weights, and every running sequence would wait for it. New requests join between decode
-steps as soon as the batch and the KV cache have room. When a decode step needs a block and none is free, the
+a decode step instead, a row per token: a step of their own would cost a pass over the weights, and every running
+sequence would wait for it. Prompts of a lower QoS class than one running start only so, in chunks.
+New requests join between decode steps as soon as the batch and the KV cache have room. When a decode step needs a block and none is free, the
 sequence that would run last (`policy` order) is preempted: its blocks are freed and it is recomputed later. A full
 batch preempts the same way for a waiting sequence of a higher QoS class (backends/core/qos.py).
 A sequence with LoRA adapters also needs their device slots to be admitted; it holds them while it runs, and when
@@ -35,8 +35,9 @@ class Scheduler:
                  lower_share: float = 1.0, lower_tokens: int | None = None, prompt_rows: int = 0,
                  max_rows: int | None = None):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
-        # prompts of at most `prompt_rows` uncached tokens ride decode steps of at most `max_rows` rows
-        self.prompt_rows, self.max_rows = prompt_rows, max_rows or max_batch
+        # decode steps of at most `max_rows` rows take up to `prompt_rows` prompt tokens (whole prompts, and chunks of
+        # those that started so, see `_prefill`)
+        self.prompt_rows, self.max_rows = prompt_rows, max_rows or max_batch + prompt_rows
         self.adapters = adapters
         self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
         # while a higher QoS class runs, lower-class prompts start in at most `lower_share` of the engine's time, in
@@ -67,7 +68,7 @@ class Scheduler:
         self.now, self.lower_step = now, False
         decoding = sum(s.num_tokens - s.num_cached == 1 for s in self.running)
         if self.chunk_tokens is None and decoding and self.prompt_rows:
-            if riders := self._prefill(self.max_rows - decoding, chunked=False, longest=self.prompt_rows):
+            if riders := self._prefill(min(self.prompt_rows, self.max_rows - decoding), chunked=False, riding=True):
                 decode = self._decode()  # (it may preempt a rider, and takes one of a single token itself)
                 return decode + [s for s in riders if s.status is Status.RUNNING and s not in decode], False
         if self.chunk_tokens is None or not decoding:
@@ -78,30 +79,36 @@ class Scheduler:
         prefill = self._prefill(max(self.chunk_tokens - len(decode), self.blocks.block_size), chunked=True)
         return decode + prefill, bool(prefill)
 
-    def _prefill(self, budget: int, chunked: bool, longest: int | None = None) -> list[Sequence]:
+    def _prefill(self, budget: int, chunked: bool, riding: bool = False) -> list[Sequence]:
         """Sequences part-way through their prompt first, then waiting ones admitted in policy order (shared prefix
         blocks and new ones), while the token budget lasts; a chunked step cuts the last prompt at the budget, an
-        unchunked one runs a longer prompt whole when it comes first. With `longest` (riders of a decode step) the
-        order stops at a prompt of more tokens than that or than the budget, or with image features.
+        unchunked one runs a longer prompt whole when it comes first. `riding`: the prompts for a decode step's
+        spare rows, whole when they fit the budget; the order stops at one that does not, or that has image features.
 
-        A waiting prompt of a lower class than one running or chosen, not overdue, starts only when the lower
-        classes' share of time allows (`yielded`) and within `lower_tokens`: a prefill step delays every decoding
-        sequence by its whole length, and without this a stream of heavy low-class prompts (4K images) sets the
-        pace of a high-class chat."""
+        A waiting prompt of a lower class than one running or chosen, not overdue, must not hold up the higher class
+        by a prefill step of its own: a step delays every decoding sequence by its whole length, and without this a
+        stream of heavy low-class prompts (4K images) sets the pace of a high-class chat. With `prompt_rows`, such a
+        text prompt starts only in a decode step, in chunks of the rows left (which then cost the higher class a
+        wider step, not a wait); else (and with images) only when the lower classes' share of time allows
+        (`yielded`) and within `lower_tokens`."""
         partial = [s for s in sorted(self.running, key=self.order) if s.num_tokens - s.num_cached > 1]
         top = min((s.ticket.rank for s in self.running), default=None)
         chosen = []
         for seq in [*partial, *sorted(self.waiting, key=self.order)]:
             lower = seq.status is Status.WAITING and top is not None and seq.ticket.rank > top \
                 and not seq.ticket.overdue(self.now)
-            if lower and not self.lower_step:  # the first lower prompt (the rest of the order is lower too)
+            rides_lower = lower and self.prompt_rows > 0 and seq.embeds is None
+            if rides_lower and not riding:
+                break
+            if lower and not rides_lower and not self.lower_step:  # the first lower prompt (the rest are lower too)
                 if self.now < self.lower_open_at:
                     break
                 budget = min(budget, self.lower_tokens or budget)
             if budget <= 0:
                 break
-            if longest is not None and (seq.num_tokens - seq.num_cached > min(longest, budget)
-                                        or seq.embeds is not None):
+            remaining = seq.num_tokens - seq.num_cached
+            in_chunks = riding and (rides_lower or seq.status is Status.RUNNING)  # started prompts go on in chunks
+            if riding and (seq.embeds is not None or (remaining > budget and not in_chunks)):
                 break
             if seq.status is Status.WAITING:
                 if len(self.running) >= self.max_batch and not self._make_room(seq, chosen):
@@ -118,9 +125,9 @@ class Scheduler:
                 seq.status = Status.RUNNING
                 self.running.append(seq)
             top = seq.ticket.rank if top is None else min(top, seq.ticket.rank)
-            self.lower_step |= lower
+            self.lower_step |= lower and not rides_lower
             remaining = seq.num_tokens - seq.num_cached
-            seq.step_tokens = min(remaining, budget) if chunked else remaining
+            seq.step_tokens = min(remaining, budget) if chunked or in_chunks else remaining
             budget -= seq.step_tokens
             chosen.append(seq)
         return chosen

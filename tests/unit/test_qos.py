@@ -196,7 +196,7 @@ def test_an_overdue_request_is_not_preempted_for_a_higher_class(engine):
 def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_higher_class_runs():
     engine = LLMEngine(tiny_checkpoint("llm", ROOT / ".checkpoints"),
                        EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=4,
-                                    qos_lower_share=0.01, qos_lower_tokens=8))
+                                    qos_lower_share=0.01, qos_lower_tokens=8, prompt_rows=0))
     qos, scheduler = engine.qos, engine.scheduler
     tokens = engine.tokenizer.encode
     short = [tokens("a b c d e f g")[:6], tokens("h i j k l m n")[:6]]
@@ -219,6 +219,31 @@ def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_
     assert lows[1].finish_reason == "length" and high.finish_reason == "length"
     assert engine.stats.prefill_seconds > 0 and engine.stats.decode_seconds > 0
     assert engine.stats.prefill_tokens == sum(len(s.prompt_ids) for s in (high, *lows, overdue))
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_lower_class_prompts_ride_decode_steps_in_chunks_while_a_higher_class_runs():
+    """No prefill step of their own: the high request gets a token every step while a long low prompt goes through
+    in chunks of `prompt_rows` beside it, to the tokens it has alone; a same-class prompt of that length would take
+    a prefill step (test_llm_engine)."""
+    checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    config = dict(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=4, block_size=4)
+    prompt = "the dog is on the grass and the person is in the tree with a blue car and a red car"
+    sampling = SamplingParams(max_tokens=6, min_tokens=6)
+    alone = LLMEngine(checkpoint, EngineConfig(**config)).generate([prompt], sampling)[0].output_ids
+    engine = LLMEngine(checkpoint, EngineConfig(prompt_rows=8, **config))
+    high = engine.add("urgent", SamplingParams(max_tokens=20, min_tokens=20), ticket=engine.qos.ticket("high"))
+    engine.step()
+    low = engine.add(prompt, sampling, ticket=engine.qos.ticket("low"))
+    chunks = -(-len(low.prompt_ids) // 8)
+    assert chunks >= 3
+    for step in range(1, chunks + 1):
+        engine.step()
+        assert len(high.output_ids) == 1 + step and engine.stats.prefill_steps == 1
+        assert low.num_cached == min(8 * step, len(low.prompt_ids)) or low.output_ids
+    assert len(low.output_ids) == 1
+    run_to_end(engine)
+    assert low.output_ids == alone and high.finish_reason == "length"
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

@@ -63,12 +63,14 @@ class EngineConfig(QosParams):
     chunk_tokens: int | None = bounded(None, 1)  # chunked prefill: while sequences decode, a step computes at most
     # this many tokens, theirs and chunks of new prompts; unset (default until prefill steps run from CUDA graphs:
     # measured no faster, README): a new prompt prefills whole in a step of its own
-    prompt_rows: int = bounded(128, 0)  # a decode step also computes up to this many prompt tokens, a row each (its
-    # CUDA graph's): a prompt that fits joins it whole instead of a prefill step of its own, and while a higher QoS
-    # class runs, lower-class prompts start only so, in chunks; 0: never (lower classes get qos_lower_share instead)
+    prompt_rows: int = bounded(32, 0)  # a decode step also computes up to this many prompt tokens in rows its CUDA
+    # graph has spare: a prompt that fits joins it whole instead of a prefill step of its own; 0: never
+    qos_lower_rides: bool = False  # while a higher QoS class runs, lower-class text prompts start only in decode
+    # steps, in chunks of prompt_rows (decode graphs get that many more rows), never by a prefill step that holds the
+    # higher class up; off: they start within qos_lower_share (not yet measured on a GPU: README, QoS)
     qos_lower_share: float = bounded(0.25, 0, 1, low_open=True)  # while a higher QoS class runs, prompts of lower
-    # classes that cannot ride decode steps (images; all with prompt_rows 0) start in at most this share of the
-    # engine's time (1: no limit; overdue ones always start)
+    # classes (that cannot ride decode steps: qos_lower_rides) start in at most this share of the engine's time (1:
+    # no limit; overdue ones always start)
     qos_lower_tokens: int | None = bounded(2048, 1)  # and in steps of at most this many prompt tokens (a longer
     # prompt alone); unset: max_prefill_tokens
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
@@ -129,9 +131,9 @@ class LLMEngine:
                                 compile_kernels=config.compile_kernels and self.device.type == "cuda",
                                 gemv=config.decode_linear == "gemv")
         args = self.model.args
-        # rows of the widest decode step: its sequences and the prompt tokens riding it, or with speculation each
-        # sequence with its proposals
-        self.decode_rows = max(config.max_batch + config.prompt_rows,
+        # rows of the widest decode step: its sequences (and lower-class prompt chunks riding it), or with
+        # speculation each sequence with its proposals
+        self.decode_rows = max(config.max_batch + (config.prompt_rows if config.qos_lower_rides else 0),
                                config.speculative_max_batch * (1 + config.num_speculative_tokens)
                                if config.speculative != "off" else 0)
         self.max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
@@ -173,7 +175,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
                                    chunk_tokens=config.chunk_tokens, adapters=self.adapters,
                                    lower_share=config.qos_lower_share, lower_tokens=config.qos_lower_tokens,
-                                   prompt_rows=config.prompt_rows, max_rows=self.decode_rows)
+                                   prompt_rows=config.prompt_rows, lower_rides=config.qos_lower_rides,
+                                   max_rows=self.decode_rows)
         self.qos = QosPolicy(config)
         self.proposer = None
         if config.speculative == "ngram":

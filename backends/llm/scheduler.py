@@ -3,7 +3,8 @@
 A step is either a prefill (waiting sequences join: their prompts, or prompt + output after a preemption, go
 through the model at once) or a decode (every running sequence adds one token). Short prompts (`prompt_rows`) join
 a decode step instead, a row per token: a step of their own would cost a pass over the weights, and every running
-sequence would wait for it. Prompts of a lower QoS class than one running start only so, in chunks.
+sequence would wait for it. With `lower_rides`, prompts of a lower QoS class than one running start only so, in
+chunks.
 New requests join between decode steps as soon as the batch and the KV cache have room. When a decode step needs a block and none is free, the
 sequence that would run last (`policy` order) is preempted: its blocks are freed and it is recomputed later. A full
 batch preempts the same way for a waiting sequence of a higher QoS class (backends/core/qos.py).
@@ -33,11 +34,11 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=qos_order,
                  chunk_tokens: int | None = None, adapters: AdapterCache | None = None,
                  lower_share: float = 1.0, lower_tokens: int | None = None, prompt_rows: int = 0,
-                 max_rows: int | None = None):
+                 lower_rides: bool = False, max_rows: int | None = None):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
-        # decode steps of at most `max_rows` rows take up to `prompt_rows` prompt tokens (whole prompts, and chunks of
-        # those that started so, see `_prefill`)
-        self.prompt_rows, self.max_rows = prompt_rows, max_rows or max_batch + prompt_rows
+        # decode steps of at most `max_rows` rows take up to `prompt_rows` prompt tokens (whole prompts, and with
+        # `lower_rides` chunks of lower-class ones, see `_prefill`)
+        self.prompt_rows, self.lower_rides, self.max_rows = prompt_rows, lower_rides, max_rows or max_batch
         self.adapters = adapters
         self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
         # while a higher QoS class runs, lower-class prompts start in at most `lower_share` of the engine's time, in
@@ -87,7 +88,7 @@ class Scheduler:
 
         A waiting prompt of a lower class than one running or chosen, not overdue, must not hold up the higher class
         by a prefill step of its own: a step delays every decoding sequence by its whole length, and without this a
-        stream of heavy low-class prompts (4K images) sets the pace of a high-class chat. With `prompt_rows`, such a
+        stream of heavy low-class prompts (4K images) sets the pace of a high-class chat. With `lower_rides`, such a
         text prompt starts only in a decode step, in chunks of the rows left (which then cost the higher class a
         wider step, not a wait); else (and with images) only when the lower classes' share of time allows
         (`yielded`) and within `lower_tokens`."""
@@ -97,7 +98,7 @@ class Scheduler:
         for seq in [*partial, *sorted(self.waiting, key=self.order)]:
             lower = seq.status is Status.WAITING and top is not None and seq.ticket.rank > top \
                 and not seq.ticket.overdue(self.now)
-            rides_lower = lower and self.prompt_rows > 0 and seq.embeds is None
+            rides_lower = lower and self.lower_rides and self.prompt_rows > 0 and seq.embeds is None
             if rides_lower and not riding:
                 break
             if lower and not rides_lower and not self.lower_step:  # the first lower prompt (the rest are lower too)

@@ -196,7 +196,7 @@ def test_an_overdue_request_is_not_preempted_for_a_higher_class(engine):
 def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_higher_class_runs():
     engine = LLMEngine(tiny_checkpoint("llm", ROOT / ".checkpoints"),
                        EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=4,
-                                    qos_lower_share=0.01, qos_lower_tokens=8, prompt_rows=0))
+                                    qos_lower_share=0.01, qos_lower_tokens=8))
     qos, scheduler = engine.qos, engine.scheduler
     tokens = engine.tokenizer.encode
     short = [tokens("a b c d e f g")[:6], tokens("h i j k l m n")[:6]]
@@ -231,7 +231,7 @@ def test_lower_class_prompts_ride_decode_steps_in_chunks_while_a_higher_class_ru
     prompt = "the dog is on the grass and the person is in the tree with a blue car and a red car"
     sampling = SamplingParams(max_tokens=6, min_tokens=6)
     alone = LLMEngine(checkpoint, EngineConfig(**config)).generate([prompt], sampling)[0].output_ids
-    engine = LLMEngine(checkpoint, EngineConfig(prompt_rows=8, **config))
+    engine = LLMEngine(checkpoint, EngineConfig(prompt_rows=8, qos_lower_rides=True, **config))
     high = engine.add("urgent", SamplingParams(max_tokens=20, min_tokens=20), ticket=engine.qos.ticket("high"))
     engine.step()
     low = engine.add(prompt, sampling, ticket=engine.qos.ticket("low"))

@@ -32,6 +32,8 @@
 #   "fp8-engine": the FP8 GEMM and FP8 tests, then the engine on Llama-3-8B shapes in bf16, FP8 weights only (the
 #   default) and FP8 with per-token activations, one run (perf.llm_engine --variants);
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
+#   "overlap": the engine on Llama-3-8B shapes in bf16 and weights-only FP8, each without and with overlap_steps (the
+#   next step launched before this one's text is decoded), one run (perf.llm_engine --variants);
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
 #   "speculative": the speculative decoding tests on the GPU, then perf.speculative on Llama-3-8B shapes (agreement
@@ -222,6 +224,12 @@ if [[ " ${SCENARIOS:-images} " == *" fp8-engine "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_fp8.py -k "not llm_compressor"
   "$py" -m perf.llm_engine --random-init llama-3-8b --variants bf16:paged:gemv,fp8w:paged:gemv,fp8:paged:gemv \
     --scenario llm-engine-fp8-default --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" overlap "* ]]; then  # the next step launched before this one's text is decoded
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llm_engine.py -k "overlap or graphs"
+  "$py" -m perf.llm_engine --random-init llama-3-8b \
+    --variants bf16:paged:gemv,bf16:paged:gemv:overlap,fp8w:paged:gemv,fp8w:paged:gemv:overlap \
+    --scenario llm-engine-overlap --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" gemv-fp8w "* ]]; then
   "$py" -m perf.gemv_sweep --dtypes bf16 fp8w --layers qkv_proj o_proj gate_up_proj down_proj \

@@ -9,11 +9,11 @@ Output lengths are forced (min_tokens = max_tokens, transformers' min_new_tokens
 count. Weights: a local checkpoint, the tiny one, or a real-size random init (`--random-init llama-3-8b`).
 
 `--variants bf16:paged:library,bf16:paged,fp8:paged` compares instead engines on the same weights with each other, one
-after the other in the same run: PRECISION:ATTENTION[:LINEAR], bf16 or quantized to FP8 E4M3 (per-channel weights;
-`fp8`: per-token activations, `fp8w`: weights only, activations in bf16; backends/llm/fp8.py), decode attention by
-the paged Triton kernel or gather + SDPA, one-token linear layers by the GEMV kernels of backends/llm/gemv.py
-(default) or the library (cuBLAS); decode tokens/s at batch 1, the concurrent run, the graph step, and the time each
-engine takes to be ready. `--dtype fp8` = bf16:paged,fp8:paged.
+after the other in the same run: PRECISION:ATTENTION[:LINEAR[:overlap]] (overlap: `overlap_steps` on), bf16 or
+quantized to FP8 E4M3 (per-channel weights; `fp8`: per-token activations, `fp8w`: weights only, activations in bf16;
+backends/llm/fp8.py), decode attention by the paged Triton kernel or gather + SDPA, one-token linear layers by the
+GEMV kernels of backends/llm/gemv.py (default) or the library (cuBLAS); decode tokens/s at batch 1, the concurrent
+run, the graph step, and the time each engine takes to be ready. `--dtype fp8` = bf16:paged,fp8:paged.
 """
 from __future__ import annotations
 
@@ -168,13 +168,13 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
     del reference  # `weights` keeps the tensors
     found: list[dict[str, float]] = []
     notes = []
-    for precision, attention, linear in variants:
-        label = f"{precision} {attention} {linear}"
+    for precision, attention, linear, *overlap in variants:
+        label = " ".join((precision, attention, linear, *overlap))
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
                               compile_kernels=args.compile_kernels, decode_attention=attention,
-                              decode_linear=linear)
+                              decode_linear=linear, overlap_steps=bool(overlap))
         if precision == "bf16":
             engine = LLMEngine(checkpoint, config, weights)
         else:  # quantized on the device as the engine loads them (part of its ready time)
@@ -203,7 +203,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    labels = [" ".join(v) for v in variants]
+    labels = [" ".join(v) for v in variants]  # (as `label` above)
     columns = ["measure", *labels, *(f"{label} / {labels[0]}" for label in labels[1:])]
 
     def row(measure: str, key: str, fmt: str) -> list[str]:
@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype == "fp8" or args.variants:
         variants = [tuple((v + ":gemv").split(":")[:3]) if v.count(":") == 1 else tuple(v.split(":"))
                     for v in (args.variants or "bf16:paged,fp8:paged").split(",")]
-        if any(len(v) != 3 or v[0] not in ("bf16", "fp8", "fp8w") or v[1] not in ("paged", "gather")
-               or v[2] not in ("gemv", "library") for v in variants):
-            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION[:LINEAR] with bf16|fp8|fp8w, paged|gather "
-                         "and gemv|library")
+        if any(len(v) not in (3, 4) or v[0] not in ("bf16", "fp8", "fp8w") or v[1] not in ("paged", "gather")
+               or v[2] not in ("gemv", "library") or v[3:] not in ((), ("overlap",)) for v in variants):
+            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION[:LINEAR[:overlap]] with bf16|fp8|fp8w, "
+                         "paged|gather, gemv|library, and overlap for overlap_steps")
         columns, rows, notes = compare_engines(args, device, bandwidth, variants)
         model = "random init llama-3-8b shapes" if args.random_init else args.checkpoint or "the tiny checkpoint"
         notes.insert(0, f"Model: {model}. Device copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s.")

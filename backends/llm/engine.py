@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -90,8 +91,25 @@ class EngineConfig(QosParams):
     prompt_lookup_min: int = bounded(1, 1)  # ngram: the shortest and longest suffix looked up in the context
     prompt_lookup_max: int = bounded(4, 1)
     draft_model: str = "draft"  # draft: its checkpoint folder; relative: to the model folder
+    overlap_steps: bool = False  # schedule and launch the next step before decoding this one's text, so the GPU
+    # runs while the host works (not yet measured on a GPU: README)
     speculative_max_batch: int = bounded(8, 1)  # decode steps of more sequences run without speculation (it pays
     # where a step is bound by reading the weights, not by compute)
+
+
+@dataclass
+class Launched:
+    """A step on its way: what was scheduled, and its logits (or verified tokens, or the error it raised)."""
+    seqs: list[Sequence]
+    is_prefill: bool
+    expired: list[Sequence]
+    started: float
+    done: list[int] = field(default_factory=list)  # the sequences that get a token (not prompt chunks)
+    decoding: int = 0  # sequences adding their newest token
+    prompt_tokens: int = 0  # prompt tokens it computes
+    logits: torch.Tensor | None = None
+    tokens: list[list[int] | Exception] | None = None
+    error: Exception | None = None
 
 
 class StepFailed(RuntimeError):
@@ -195,6 +213,7 @@ class LLMEngine:
             log.info("captured %d CUDA graphs, prefill and decode (%.2f GiB more reserved)", count,
                      (torch.cuda.memory_reserved(self.device) - before) / 2**30)
         self.stats = EngineStats()
+        self.pending: Launched | None = None  # the step launched ahead (overlap_steps)
         log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB, %s)", args.model_type, config.dtype,
                  self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20,
                  str(self.model.kv_cache_dtype).removeprefix("torch."))
@@ -316,76 +335,128 @@ class LLMEngine:
         if not seq.finished:
             self._finish(seq, "cancelled")
 
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
     # --- the loop -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one prefill or decode step; returns the sequences that got a token (some may have finished), and
-        those that waited past their QoS timeout without starting (finished, with an Unavailable error)."""
+        those that waited past their QoS timeout without starting (finished, with an Unavailable error).
+
+        With `overlap_steps`, the next step is scheduled and launched on the GPU as soon as this one's tokens are
+        in, and this one's text is decoded (and stop strings looked for) while the GPU runs it; the next call
+        completes that step. A sequence a stop string ends meanwhile computed one token too many in it, which is
+        dropped; its blocks are taken again only by a step scheduled after that one completed."""
+        launched, self.pending = self.pending or self._launch(), None
+        if not launched.seqs:
+            return launched.expired
+        seqs, deferred = self._complete(launched)
+        if self.config.overlap_steps and self.proposer is None and self.scheduler.has_work:
+            self.pending = self._launch()
+        for seq in deferred:  # (the GPU runs the next step meanwhile)
+            self._guard(seq, self._decode_text)
+        return launched.expired + seqs
+
+    @property
+    def has_work(self) -> bool:
+        return self.pending is not None or self.scheduler.has_work
+
+    def _launch(self) -> Launched:
+        """Schedule a step and start it: the model's logits for the tokens to sample (on a GPU, still being
+        computed), or the verified tokens of a speculative step (which waits for the GPU)."""
         expired = self._expire()
         seqs, is_prefill = self.scheduler.schedule()
+        launched = Launched(seqs, is_prefill, expired, time.monotonic())
         if not seqs:
-            return expired
-        started = time.monotonic()
+            return launched
         # a sequence whose step ends before its last token (a prompt chunk) gets no token this step
-        done = [i for i, s in enumerate(seqs) if s.num_cached + s.step_tokens == s.num_tokens]
-        prompt_tokens = sum(s.step_tokens for s in seqs if s.num_cached == 0 or s.num_tokens - s.num_cached > 1)
-        decoding = sum(s.num_cached > 0 and s.num_tokens - s.num_cached == 1 for s in seqs)
+        launched.done = [i for i, s in enumerate(seqs) if s.num_cached + s.step_tokens == s.num_tokens]
+        launched.decoding = sum(s.num_cached > 0 and s.num_tokens - s.num_cached == 1 for s in seqs)
+        launched.prompt_tokens = sum(s.step_tokens for s in seqs
+                                     if s.num_cached == 0 or s.num_tokens - s.num_cached > 1)
         try:
-            drafts = None if is_prefill or decoding < len(seqs) else self._propose(seqs)
+            drafts = None if is_prefill or launched.decoding < len(seqs) else self._propose(seqs)
             if drafts:
-                tokens = self._verify(self.runner.decode(seqs), seqs, drafts)
+                launched.tokens = self._verify(self.runner.decode(seqs), seqs, drafts)
+            elif is_prefill:
+                launched.logits = self.runner.prefill(seqs)
+            elif launched.decoding < len(seqs):  # prompts (or chunks of them) rode the decode step: their last rows
+                rows = [s.step_tokens for s in seqs]
+                launched.logits = self.runner.decode(seqs, rows=rows)[[r - 1 for r in itertools.accumulate(rows)]]
             else:
-                if is_prefill:
-                    logits = self.runner.prefill(seqs)
-                elif decoding < len(seqs):  # prompts (or chunks of them) rode the decode step: their last rows
-                    rows = [s.step_tokens for s in seqs]
-                    logits = self.runner.decode(seqs, rows=rows)[[r - 1 for r in itertools.accumulate(rows)]]
-                else:
-                    logits = self.runner.decode(seqs)
-                tokens = [t if isinstance(t, Exception) else [t] for t in sample(
-                    logits if len(done) == len(seqs) else logits[done], [seqs[i] for i in done], self.eos_ids)]
-        except Exception as e:
-            raise StepFailed(seqs) from e
+                launched.logits = self.runner.decode(seqs)
+        except Exception as e:  # raised when the step completes (as StepFailed)
+            launched.error = e
         finally:
             if self.proposer is not None:  # a verify step's proposals are spent, whatever happened
                 for seq in seqs:
                     seq.draft_ids = []
-        seconds = time.monotonic() - started  # sampling has brought the tokens to the host: the step is over
+        return launched
+
+    def _complete(self, launched: Launched) -> tuple[list[Sequence], list[Sequence]]:
+        """Sample a launched step's tokens (waiting for the GPU) and append them; a sequence that ends here is
+        finished now, text and all. Returns (the sequences that got a token, those whose text is still to decode).
+        A sequence finished while the step ran (a stop string, a cancellation) gets nothing from it."""
+        seqs = launched.seqs
+        done = [i for i in launched.done if not seqs[i].finished]
+        tokens = launched.tokens
+        try:
+            if launched.error is not None:
+                raise launched.error
+            if tokens is None:
+                logits = launched.logits if len(done) == len(seqs) else launched.logits[done]
+                tokens = [t if isinstance(t, Exception) else [t] for t in sample(
+                    logits, [seqs[i] for i in done], self.eos_ids)]
+        except Exception as e:
+            raise StepFailed(seqs) from e
+        if not done and self.device.type == "cuda":  # nothing sampled waited for the step, whose host-side inputs
+            torch.cuda.synchronize(self.device)  # the next one overwrites
+        seconds = time.monotonic() - launched.started  # sampling has brought the tokens to the host: it is over
         self.scheduler.yielded(seconds)
-        self.stats.prefill_tokens += prompt_tokens
-        if is_prefill:
+        self.stats.prefill_tokens += launched.prompt_tokens
+        if launched.is_prefill:
             self.stats.prefill_steps += 1
             self.stats.prefill_seconds += seconds
         else:
             self.stats.decode_seconds += seconds
-        if decoding:
+        if launched.decoding:
             self.stats.decode_steps += 1
-            self.stats.decode_tokens += decoding
-            self.stats.max_decode_batch = max(self.stats.max_decode_batch, decoding)
-        for seq in (s for s in seqs if s.num_cached + s.step_tokens < s.num_tokens):
+            self.stats.decode_tokens += launched.decoding
+            self.stats.max_decode_batch = max(self.stats.max_decode_batch, launched.decoding)
+        for seq in (s for i, s in enumerate(seqs) if i not in launched.done and not s.finished):  # prompt chunks
             seq.num_cached += seq.step_tokens
             self.blocks.register(seq)
-        seqs = [seqs[i] for i in done]
+        seqs, deferred = [seqs[i] for i in done], []
         for seq, new in zip(seqs, tokens):
-            try:
-                if isinstance(new, Exception):
-                    raise new
-                for token in new:
-                    self._append(seq, token)
-                    if seq.finished:
-                        break
-                else:
-                    self.blocks.shrink(seq, seq.num_tokens)  # blocks taken for proposals it rejected
-            except Exception as e:  # this sequence's own failure (its sampling, its text) ends it alone
-                log.error("sequence %s failed", seq.request_id or seq.seq_id, exc_info=e)
-                seq.error = e
-                if not seq.finished:
-                    self._finish(seq, "error")
-        return expired + seqs
+            if not isinstance(new, Exception) and len(new) == 1 and new[0] not in self.eos_ids \
+                    and len(seq.output_ids) + 1 < seq.sampling.max_tokens:  # it goes on: its text can wait
+                self._take(seq, new[0])
+                deferred.append(seq)
+            else:
+                self._guard(seq, self._append_all, new)
+        return seqs, deferred
+
+    def _append_all(self, seq: Sequence, new: list[int] | Exception) -> None:
+        if isinstance(new, Exception):
+            raise new
+        for token in new:
+            self._append(seq, token)
+            if seq.finished:
+                break
+        else:
+            self.blocks.shrink(seq, seq.num_tokens)  # blocks taken for proposals it rejected
+
+    def _decode_text(self, seq: Sequence) -> None:
+        if append_text(self.tokenizer, seq, check_stop=len(seq.output_ids) >= seq.sampling.min_tokens):
+            self._finish(seq, "stop")
+
+    def _guard(self, seq: Sequence, work: Callable[..., None], *args) -> None:
+        """Run `work(seq, *args)`; its failure (its sampling, its text) ends that sequence alone."""
+        try:
+            work(seq, *args)
+        except Exception as e:
+            log.error("sequence %s failed", seq.request_id or seq.seq_id, exc_info=e)
+            seq.error = e
+            if not seq.finished:
+                self._finish(seq, "error")
 
     def _propose(self, seqs: list[Sequence]) -> list[Draft] | None:
         """Proposals for a decode step (None: it runs without speculation), each cut to the KV blocks left."""
@@ -445,11 +516,15 @@ class LLMEngine:
             self._finish(seq, "error")
         return expired
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _take(self, seq: Sequence, token: int) -> None:
+        """The token joins the sequence (its text not yet)."""
         seq.num_cached = seq.num_tokens
         self.blocks.register(seq)  # its newly full blocks join the prefix cache (before it may finish)
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        self._take(seq, token)
         if token in self.eos_ids:  # the sampler never picks EOS before min_tokens
             seq.output_ids.pop()  # EOS ends the output; it is not part of it
             flush_text(self.tokenizer, seq)

@@ -1,15 +1,14 @@
 """Continuous batching: which sequences run in the next step.
 
-A step is either a prefill (waiting sequences join: their prompts, or prompt + output after a preemption, go
-through the model at once) or a decode (every running sequence adds one token). Short prompts (`prompt_rows`) join
-a decode step instead, a row per token: a step of their own would cost a pass over the weights, and every running
-sequence would wait for it. With `lower_rides`, prompts of a lower QoS class than one running start only so, in
-chunks.
-New requests join between decode steps as soon as the batch and the KV cache have room. When a decode step needs a block and none is free, the
-sequence that would run last (`policy` order) is preempted: its blocks are freed and it is recomputed later. A full
-batch preempts the same way for a waiting sequence of a higher QoS class (backends/core/qos.py).
-A sequence with LoRA adapters also needs their device slots to be admitted; it holds them while it runs, and when
-none is free, admission waits (in order) like it does for KV blocks.
+A step is either a prefill (waiting sequences join: their prompts, or prompt + output after a preemption, go through
+the model at once) or a decode (every running sequence adds one token). Short prompts (`prompt_rows`) join a decode
+step instead, a row per token: a step of their own would cost a pass over the weights, and every running sequence
+would wait for it. With `lower_rides`, prompts of a lower QoS class than one running start only so, in chunks. New
+requests join between decode steps as soon as the batch and the KV cache have room. When a decode step needs a block
+and none is free, the sequence that would run last (`policy` order) is preempted: its blocks are freed and it is
+recomputed later. A full batch preempts the same way for a waiting sequence of a higher QoS class
+(backends/core/qos.py). A sequence with LoRA adapters also needs their device slots to be admitted; it holds them
+while it runs, and when none is free, admission waits (in order) like it does for KV blocks.
 """
 from __future__ import annotations
 

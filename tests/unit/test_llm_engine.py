@@ -119,6 +119,36 @@ def test_stop_string_cuts_the_text_and_finishes(checkpoint):
     assert stop not in streamed
 
 
+def test_overlapped_steps_give_the_same_tokens_text_stops_and_cancellations(checkpoint, reference):
+    """With `overlap_steps` each call launches the next step before decoding its own tokens' text: a stop string
+    found then, or a cancellation between calls, leaves that sequence's row of the launched step unused (no token,
+    its blocks free at once), and everything else is as without it."""
+    params = SamplingParams(max_tokens=24)
+    engine = make_engine(checkpoint, overlap_steps=True)
+    seqs = engine.generate(PROMPTS, params)
+    assert [s.output_ids for s in seqs] == [reference(p, 24) for p in PROMPTS]
+    assert [s.text for s in seqs] == [engine.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+    full = seqs[0]
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    stopped = engine.add(PROMPTS[0], SamplingParams(max_tokens=24, stop=(stop,)))
+    keep, drop = engine.add(PROMPTS[1], params), engine.add(PROMPTS[2], params)
+    streamed, steps = "", 0
+    while engine.has_work:
+        advanced = engine.step()
+        assert engine.pending is None or engine.pending.seqs  # the next step is under way while text is decoded
+        streamed += "".join(pending_text(s) for s in advanced if s is stopped)
+        steps += 1
+        if steps == 4:
+            assert drop in engine.pending.seqs
+            engine.cancel(drop)
+            assert drop.block_table == [] and drop.finish_reason == "cancelled"
+            cancelled_at = len(drop.output_ids)
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[:full.text.find(stop)] == streamed
+    assert stopped.output_ids == full.output_ids[:len(stopped.output_ids)]  # nothing from the step after its stop
+    assert keep.output_ids == reference(PROMPTS[1], 24) and len(drop.output_ids) == cancelled_at
+    assert engine.pending is None and engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_eos_ends_output_unless_min_tokens(checkpoint):
     engine = make_engine(checkpoint)
     first = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8))[0].output_ids[0]

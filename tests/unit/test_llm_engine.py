@@ -149,6 +149,24 @@ def test_overlapped_steps_give_the_same_tokens_text_stops_and_cancellations(chec
     assert engine.pending is None and engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_text_of_ids_equals_the_tokenizers_decode(checkpoint):
+    """The detokeniser's shortcut to the fast tokenizer's backend gives `decode(ids, skip_special_tokens=True)`,
+    special tokens, partial UTF-8 and all."""
+    from transformers import AutoTokenizer
+
+    from backends.llm.detokenizer import text_of
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    assert text_of(tokenizer).func == tokenizer.backend_tokenizer.decode  # the shortcut is taken
+    generator = torch.Generator().manual_seed(0)
+    special = list(tokenizer.all_special_ids)
+    for length in (1, 2, 5, 17):
+        for _ in range(30):
+            ids = torch.randint(0, len(tokenizer), (length,), generator=generator).tolist()
+            ids[::4] = [special[i % len(special)] for i in range(len(ids[::4]))] if special else ids[::4]
+            assert text_of(tokenizer)(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
 def test_eos_ends_output_unless_min_tokens(checkpoint):
     engine = make_engine(checkpoint)
     first = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=8))[0].output_ids[0]

@@ -1,6 +1,7 @@
 """perf/: the CSV parser reads what perf_analyzer writes, the report writer produces table, plot and hardware line,
 the input data uses Triton's raw BYTES layout."""
 import base64
+import csv
 import json
 import struct
 
@@ -161,6 +162,19 @@ def test_prefill_bench_compares_chunked_and_whole_prefill_and_prefix_caching(tmp
     assert len(rows) == 3 and rows[1].startswith("chunked prefill (24 tokens a step),")
     prefix = next((tmp_path / "t").glob("*-llm-prefix-cache.csv")).read_text().splitlines()
     assert [r.split(",")[0] for r in prefix[1:]] == ["prefix caching on", "prefix caching off"]
+
+
+def test_engine_host_bench_times_both_detokenisers_and_restores_the_engines(tmp_path):
+    import backends.llm.detokenizer as detokenizer
+    from perf.engine_host import main
+
+    real = detokenizer.text_of
+    assert main(["--batches", "1", "4", "--tokens", "6", "--rounds", "1", "--results", str(tmp_path),
+                 "--host", "t"]) == 0
+    rows = list(csv.reader(next((tmp_path / "t").glob("*-engine-host.csv")).open()))
+    assert [r[0] for r in rows[1:]] == [f"host ms a decode step, {n} sequences" for n in (1, 4)]
+    assert all(float(v) > 0 for r in rows[1:] for v in r[1:])
+    assert detokenizer.text_of is real
 
 
 def test_speculative_bench_by_construction_and_on_a_trained_model(tmp_path, smollm2_checkpoint):

@@ -91,7 +91,7 @@ class Scheduler:
         text prompt starts only in a decode step, in chunks of the rows left (which then cost the higher class a
         wider step, not a wait); else (and with images) only when the lower classes' share of time allows
         (`yielded`) and within `lower_tokens`."""
-        partial = [s for s in sorted(self.running, key=self.order) if s.num_tokens - s.num_cached > 1]
+        partial = sorted((s for s in self.running if s.num_tokens - s.num_cached > 1), key=self.order)
         top = min((s.ticket.rank for s in self.running), default=None)
         chosen = []
         for seq in [*partial, *sorted(self.waiting, key=self.order)]:

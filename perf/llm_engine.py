@@ -168,8 +168,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
     del reference  # `weights` keeps the tensors
     found: list[dict[str, float]] = []
     notes = []
-    for precision, attention, linear, *overlap in variants:
-        label = " ".join((precision, attention, linear, *overlap))
+    labels = [" ".join(v) for v in variants]
+    for (precision, attention, linear, *overlap), label in zip(variants, labels):
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
@@ -203,7 +203,6 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    labels = [" ".join(v) for v in variants]  # (as `label` above)
     columns = ["measure", *labels, *(f"{label} / {labels[0]}" for label in labels[1:])]
 
     def row(measure: str, key: str, fmt: str) -> list[str]:

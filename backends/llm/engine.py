@@ -66,6 +66,8 @@ class EngineConfig(QosParams):
     # measured no faster, README): a new prompt prefills whole in a step of its own
     prompt_rows: int = bounded(32, 0)  # a decode step also computes up to this many prompt tokens in rows its CUDA
     # graph has spare: a prompt that fits joins it whole instead of a prefill step of its own; 0: never
+    overlap_steps: bool = False  # schedule and launch the next step before decoding this one's text, so the GPU
+    # runs while the host works (not yet measured on a GPU: README)
     qos_lower_rides: bool = False  # while a higher QoS class runs, lower-class text prompts start only in decode
     # steps, in chunks of prompt_rows (decode graphs get that many more rows), never by a prefill step that holds the
     # higher class up; off: they start within qos_lower_share (not yet measured on a GPU: README, QoS)
@@ -91,8 +93,6 @@ class EngineConfig(QosParams):
     prompt_lookup_min: int = bounded(1, 1)  # ngram: the shortest and longest suffix looked up in the context
     prompt_lookup_max: int = bounded(4, 1)
     draft_model: str = "draft"  # draft: its checkpoint folder; relative: to the model folder
-    overlap_steps: bool = False  # schedule and launch the next step before decoding this one's text, so the GPU
-    # runs while the host works (not yet measured on a GPU: README)
     speculative_max_batch: int = bounded(8, 1)  # decode steps of more sequences run without speculation (it pays
     # where a step is bound by reading the weights, not by compute)
 
@@ -421,7 +421,7 @@ class LLMEngine:
             self.stats.decode_steps += 1
             self.stats.decode_tokens += launched.decoding
             self.stats.max_decode_batch = max(self.stats.max_decode_batch, launched.decoding)
-        for seq in (s for i, s in enumerate(seqs) if i not in launched.done and not s.finished):  # prompt chunks
+        for seq in (s for s in seqs if s.num_cached + s.step_tokens < s.num_tokens and not s.finished):  # chunks
             seq.num_cached += seq.step_tokens
             self.blocks.register(seq)
         seqs, deferred = [seqs[i] for i in done], []
@@ -444,9 +444,12 @@ class LLMEngine:
         else:
             self.blocks.shrink(seq, seq.num_tokens)  # blocks taken for proposals it rejected
 
-    def _decode_text(self, seq: Sequence) -> None:
+    def _decode_text(self, seq: Sequence) -> bool:
+        """The newest tokens' text; True when a stop string ended the sequence."""
         if append_text(self.tokenizer, seq, check_stop=len(seq.output_ids) >= seq.sampling.min_tokens):
             self._finish(seq, "stop")
+            return True
+        return False
 
     def _guard(self, seq: Sequence, work: Callable[..., None], *args) -> None:
         """Run `work(seq, *args)`; its failure (its sampling, its text) ends that sequence alone."""
@@ -529,9 +532,7 @@ class LLMEngine:
             seq.output_ids.pop()  # EOS ends the output; it is not part of it
             flush_text(self.tokenizer, seq)
             self._finish(seq, "stop")
-        elif append_text(self.tokenizer, seq, check_stop=len(seq.output_ids) >= seq.sampling.min_tokens):
-            self._finish(seq, "stop")
-        elif len(seq.output_ids) >= seq.sampling.max_tokens:
+        elif not self._decode_text(seq) and len(seq.output_ids) >= seq.sampling.max_tokens:
             flush_text(self.tokenizer, seq)
             self._finish(seq, "length")
 

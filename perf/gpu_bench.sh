@@ -228,7 +228,7 @@ fi
 if [[ " ${SCENARIOS:-images} " == *" overlap "* ]]; then  # the next step launched before this one's text is decoded
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llm_engine.py -k "overlap or graphs"
   "$py" -m perf.llm_engine --random-init llama-3-8b \
-    --variants bf16:paged:gemv,bf16:paged:gemv:overlap,fp8w:paged:gemv,fp8w:paged:gemv:overlap \
+    --variants bf16:paged:gemv,bf16:paged:gemv:overlap,fp8w:paged:gemv,fp8w:paged:gemv:overlap --profile-rows 1 64 \
     --scenario llm-engine-overlap --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" gemv-fp8w "* ]]; then

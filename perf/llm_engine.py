@@ -36,6 +36,7 @@ from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import byte_level_tokenizer, tiny_checkpoint
 from build_engines.quantize import quantized_tensors, write_fp8_metadata
 from perf.report import hardware_line, write_table
+from perf.step_profile import describe, profile_decode
 
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -192,9 +193,13 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         concurrent = engine_concurrent(engine, prompts(args.concurrency, args.input_tokens, vocab, seed=2),
                                        args.output_tokens)
         notes.append(f"{label}, the concurrent run: {step_breakdown(engine.stats)}.")
+        profiles = {rows: profile_decode(engine, rows) for rows in args.profile_rows}
+        notes += [f"{label}, {describe(p)}." for p in profiles.values()]
         roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
         found.append(dict(batch1=batch1, concurrent=concurrent, ready=ready_s, roofline=roofline,
-                          replay=graph_replay_ms(engine) or float("nan")))
+                          replay=graph_replay_ms(engine) or float("nan"),
+                          **{f"wall{rows}": p.wall_ms for rows, p in profiles.items()},
+                          **{f"kernels{rows}": p.total_ms for rows, p in profiles.items()}))
         print(f"{label}: batch 1 {batch1:.1f} tokens/s ({100 * batch1 / roofline:.0f}% of roofline "
               f"{roofline:.1f}), {args.concurrency} concurrent {concurrent:.1f} tokens/s", flush=True)
         notes.append(f"{label} engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks;"
@@ -215,6 +220,9 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
                 "(all added at once)", "concurrent", ".1f"),
             row("batch-1 decode step replayed from its CUDA graph, ms", "replay", ".2f"),
             row("engine ready, s (load, FP8 quantizing on the device, KV cache, graph capture)", "ready", ".1f")]
+    for n in args.profile_rows:
+        rows += [row(f"decode step of {n} rows under the profiler, ms", f"wall{n}", ".2f"),
+                 row(f"its kernels' time at {n} rows, ms (by kind in the notes)", f"kernels{n}", ".2f")]
     notes.append("fp8: E4M3 weights with per-channel scales, activations quantized per token; steps of more than "
                  "one token run torch._scaled_mm after one compiled quantization kernel; fp8w: the same weights, "
                  "activations kept in bf16 (the default of build_engines --precision fp8; steps of 2-256 rows run the "
@@ -245,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch1-tokens", type=int, default=128)
     parser.add_argument("--no-compile-kernels", dest="compile_kernels", action="store_false",
                         help="plain PyTorch elementwise kernels (default on CUDA: torch.compile'd)")
+    parser.add_argument("--profile-rows", type=int, nargs="*", default=[],
+                        help="with --variants: also profile decode steps of these many sequences (perf/step_profile)")
     parser.add_argument("--scenario", default="llm-engine", help="result file name")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default=socket.gethostname())

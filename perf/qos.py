@@ -6,7 +6,9 @@ For each family two models are built from one checkpoint: `<family>_qos` (the de
 `<family>_fifo` (cost weights zero, queues unbounded, every request in the default class: first come first served,
 what the engines did before QoS). The cheap kind of request is sent in class high, the heavy kind in class low. The
 mix's capacity (requests/s) is measured first, closed-loop; then open-loop Poisson arrivals at a light load and at 1x
-and 2x of that capacity go to each model in turn, on the same arrival schedule. Reported per model, load and class:
+and 2x of that capacity go to each model in turn, on the same arrival schedule. `--variant NAME=FLAGS` adds a model
+`<family>_qos_NAME` (the QoS defaults and FLAGS) measured the same way, so settings compare side by side in one run.
+Reported per model, load and class:
 requests sent, done and refused (UNAVAILABLE), time to first token (whisper: its whole answer) and latency p50 / p99,
 the longest wait before the first token.
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import re
+import shlex
 import sys
 import tempfile
 import time
@@ -181,9 +185,10 @@ def class_rows(model: str, load: float, sent: list[Sent], classes: list[str]) ->
 
 
 def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple[list[list], list[str]]:
-    """Build `<family>_qos` and `<family>_fifo`, serve them, measure capacity, then every load on both."""
+    """Build `<family>_qos` and `<family>_fifo`, serve them, measure capacity, then every load on each."""
     repository = Path(tempfile.mkdtemp(prefix=f"qos-bench-{family}-"))
-    models = {f"{family}_qos": [], f"{family}_fifo": FIFO_FLAGS}
+    models = {f"{family}_qos": [], f"{family}_fifo": FIFO_FLAGS,
+              **{f"{family}_qos_{name}": flags for name, flags in args.variant}}
     for name, extra in models.items():
         assert build_engines([family, "--checkpoint", str(checkpoint), "--repository", str(repository), "--name", name,
                               "--device", args.device, "--max-batch", str(args.max_batch), *FAMILY_FLAGS[family],
@@ -208,7 +213,7 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
             for model in models:
                 before, start = model_metrics(server.metrics_url, model), time.perf_counter()
                 sent = asyncio.run(send_schedule(server.grpc_url, family, model, schedule, requests,
-                                                 qos=model.endswith("_qos")))
+                                                 qos=not model.endswith("_fifo")))
                 if family != "whisper":
                     steps.append(f"`{model}` at {load:g}x: " + engine_steps(
                         before, model_metrics(server.metrics_url, model), time.perf_counter() - start))
@@ -228,6 +233,14 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
     return rows, notes
 
 
+def variant(spec: str) -> tuple[str, list[str]]:
+    """'NAME=FLAGS' -> (NAME, the flags split as a shell would)."""
+    name, _, flags = spec.partition("=")
+    if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not flags.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS with NAME of letters, digits and _; got {spec!r}")
+    return name, shlex.split(flags)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.qos", description=__doc__)
     parser.add_argument("--families", nargs="+", choices=sorted(MIXES), default=["llm", "vlm", "whisper"])
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory-mb", type=int, help="per LLM engine (two share the device)")
     parser.add_argument("--engine-flags", nargs=argparse.REMAINDER, default=[],
                         help="more build_engines flags for every model (last on the line), e.g. --chunk-tokens 256")
+    parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=FLAGS",
+                        help="one more QoS model with these build_engines flags, e.g. 'rides=--qos-lower-rides true'")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="x capacity")
     parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))

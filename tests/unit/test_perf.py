@@ -215,3 +215,23 @@ def test_overload_memory_watch_sums_a_process_and_its_children():
     finally:
         child.kill()
         child.wait()
+
+
+def test_engine_comparison_profiles_decode_steps_by_kind(tmp_path):
+    from perf.llm_engine import main
+    from perf.step_profile import category
+
+    assert category("sm90_xmma_gemm_bf16bf16") == category("nvjet_tst_128x64") == "library GEMM (cuBLAS, CUTLASS)"
+    assert category("_gemv_kernel") == "GEMV (gemv.py)" and category("triton_poi_fused_mul_silu_0").startswith("comp")
+    assert category("void at::native::unrolled_elementwise") == "other"
+    assert main(["--variants", "bf16:gather:library", "--device", "cpu", "--concurrency", "4", "--input-tokens", "8",
+                 "--output-tokens", "4", "--batch1-tokens", "4", "--profile-rows", "1", "4", "--results",
+                 str(tmp_path), "--host", "t"]) == 0
+    rows = {r[0]: r[1:] for r in csv.reader(next((tmp_path / "t").glob("*-llm-engine.csv")).open())}
+    for n in (1, 4):
+        wall = float(rows[f"decode step of {n} rows under the profiler, ms"][0])
+        kernels = float(rows[f"its kernels' time at {n} rows, ms (by kind in the notes)"][0])
+        assert 0 < kernels < wall
+    table = next((tmp_path / "t").glob("*-llm-engine.md")).read_text()
+    assert "decode steps of 4 rows under the profiler" in table
+    assert "library GEMM (cuBLAS, CUTLASS)" in table and "attention, library (SDPA, flash)" in table  # by kind

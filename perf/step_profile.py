@@ -1,0 +1,95 @@
+"""Where an LLM engine's decode step spends its time: torch.profiler over steps of a fixed number of running sequences,
+the device's kernel time summed by kind (our Triton kernels, the library's GEMMs, compiled elementwise kernels, ...)
+against the step's wall time. The difference is time the GPU waited for the host.
+
+Used by `python -m perf.llm_engine --profile-rows 1 64`; CUDA graphs stay on (CUPTI records the kernels a graph
+replays), so what is profiled is the step the engine runs. On the CPU the categories hold aten ops' self time.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from backends.llm.engine import LLMEngine
+from backends.llm.sampling import SamplingParams
+
+CATEGORIES = (  # first match wins; names of our kernels, then the library's
+    ("GEMV (gemv.py)", r"_gemv_kernel|_prepare_kernel"),
+    ("paged attention (paged_decode.py)", r"_partition_kernel|_combine_kernel"),
+    ("attention, library (SDPA, flash)", r"flash|fmha|attention"),
+    ("FP8 GEMM (fp8_gemm.py)", r"_fp8_weight_gemm_kernel"),
+    ("LoRA (lora_kernels.py)", r"_shrink_kernel|_expand_kernel"),
+    ("library GEMM (cuBLAS, CUTLASS)", r"gemm|cutlass|nvjet|xmma|cublas|splitk|aten::(mm|addmm|bmm|_scaled_mm)$"),
+    ("compiled elementwise (torch.compile)", r"^triton_"),
+    ("copies and fills", r"memcpy|memset|copy|fill"),
+    ("other", r""),
+)
+
+
+@dataclass
+class StepProfile:
+    rows: int
+    steps: int
+    wall_ms: float  # a step, profiler on
+    busy_ms: dict[str, float] = field(default_factory=dict)  # a step's device (CPU: op) time by category
+    top: list[tuple[str, float]] = field(default_factory=list)  # the costliest kernels, ms a step
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.busy_ms.values())
+
+
+def category(name: str) -> str:
+    return next(label for label, pattern in CATEGORIES if re.search(pattern, name, re.IGNORECASE))
+
+
+def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens: int = 128) -> StepProfile:
+    """Start `rows` sequences, run until all decode, then profile `steps` decode steps of all of them (each sequence
+    has tokens left for all of them); the sequences run to their end afterwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    generator = torch.Generator().manual_seed(7)
+    vocab = engine.model.args.vocab_size
+    tokens = steps + 4
+    seqs = [engine.add(prompt, SamplingParams(max_tokens=tokens, min_tokens=tokens))
+            for prompt in torch.randint(100, vocab - 10, (rows, prompt_tokens), generator=generator).tolist()]
+    while any(len(s.output_ids) < 2 for s in seqs):  # prefills, then one decode step of all
+        engine.step()
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - start
+    while engine.has_work:
+        engine.step()
+    per_kernel: Counter[str] = Counter()
+    for event in prof.key_averages():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if cuda and on_device:
+            per_kernel[event.key] += event.device_time_total if hasattr(event, "device_time_total") \
+                else event.cuda_time_total
+        elif not cuda and not on_device and event.key.startswith("aten::"):
+            per_kernel[event.key] += event.self_cpu_time_total
+    found = StepProfile(rows, steps, 1e3 * wall / steps)
+    for name, us in per_kernel.items():
+        label = category(name)
+        found.busy_ms[label] = found.busy_ms.get(label, 0.0) + us / 1e3 / steps
+    found.top = [(name, us / 1e3 / steps) for name, us in per_kernel.most_common(8)]
+    return found
+
+
+def describe(found: StepProfile) -> str:
+    """One line for a results table's notes."""
+    parts = ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(found.busy_ms.items(), key=lambda kv: -kv[1]))
+    top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in found.top)
+    return (f"decode steps of {found.rows} rows under the profiler: {found.wall_ms:.2f} ms a step, kernels "
+            f"{found.total_ms:.2f} ms ({parts}); costliest kernels, ms a step: {top}")

@@ -44,12 +44,14 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
                         if (max(block_m, block_n) * block_k <= 32768 and block_m * block_n <= 16384
                                 and staged <= 160 * 1024 and SMS // 2 <= programs <= 16 * SMS
                                 and k // (block_k * split_k) >= 2):
-                            out.append(GemmConfig(block_m, block_n, block_k, split_k, warps, stages))
+                            # swapped (weights as the MMA's first operand): 64 of its columns a warp group
+                            out += [GemmConfig(block_m, block_n, block_k, split_k, warps, stages, swap)
+                                    for swap in (False, True)[:1 + (block_n >= 16 * warps)]]
     return out
 
 
 def label(c: GemmConfig) -> str:
-    return f"{c.block_m}/{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.stages}"
+    return f"{c.block_m}/{c.block_n}/{c.block_k}/{c.split_k}/{c.warps}/{c.stages}" + ("/swap" if c.swap else "")
 
 
 def _compile(job: tuple[str, int, list[GemmConfig]]) -> list[GemmConfig]:
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
              "w8a8: the input quantized per token (one torch.compile'd kernel) and cuBLAS' FP8 GEMM; widened: each "
              "E4M3 weight converted to bf16, F.linear, the per-channel scale after (the engine's weights-only path "
              "before fp8_gemm.py); kernel: backends/llm/fp8_gemm.py, config BLOCK_M/BLOCK_N/BLOCK_K/SPLIT_K/warps/"
-             "stages, its default (fp8_gemm.default_config) and the best of the grid where swept "
+             "stages[/swap: the transposed product, weights as the MMA's first operand], its default "
+             "(fp8_gemm.default_config) and the best of the grid where swept "
              f"(rows {', '.join(map(str, args.sweep_rows))}).",
              f"All configurations: {base.name}.csv. Command: `python -m perf.fp8_gemm_sweep`."]
     path = write_table(args.results / args.host, "fp8-gemm-sweep",

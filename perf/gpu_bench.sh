@@ -28,12 +28,14 @@
 #   "lora_kernels": the LoRA kernels per projection of Llama-3-8B at a decode step, at a few block configurations,
 #   beside the every-slot product and the bytes' time (perf.lora_kernels);
 #   "w8a16": the FP8 GEMM / GEMV tests on the GPU, weights-only FP8 layers at 2-256 rows beside bf16, W8A8 and
-#   widened weights (perf.fp8_gemm_sweep);
+#   widened weights, block configurations swept, swapped operands too (perf.fp8_gemm_sweep; FP8_SWEEP_ARGS: more of
+#   its flags, e.g. "--rows 16 32 64 128 --sweep-rows 32 64 128");
 #   "fp8-engine": the FP8 GEMM and FP8 tests, then the engine on Llama-3-8B shapes in bf16, FP8 weights only (the
 #   default) and FP8 with per-token activations, one run (perf.llm_engine --variants);
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
 #   "overlap": the engine on Llama-3-8B shapes in bf16 and weights-only FP8, each without and with overlap_steps (the
-#   next step launched before this one's text is decoded), one run (perf.llm_engine --variants);
+#   next step launched before this one's text is decoded), one run, and their decode steps of 1 and 64 sequences
+#   under torch.profiler, kernel time by kind (perf.llm_engine --variants --profile-rows);
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
 #   "speculative": the speculative decoding tests on the GPU, then perf.speculative on Llama-3-8B shapes (agreement
@@ -44,7 +46,7 @@
 #   --requests-per-stream 16" for rounds long enough to settle the ratios);
 #   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
 #   ("llm vlm"): llm on Llama-3-8B shapes, vlm on LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes (random bf16);
-#   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10");
+#   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10 --variant rides=--qos-lower-rides=true");
 #   "ensembles": perf.ensemble_bench for each of MODELS, one run, ViT-B/16-224 fp16 / CLIP ViT-L/14-336 bf16 as in
 #   "images", ENSEMBLE_VARIANTS ("single ensemble device") side by side: single, the model alone; ensemble, CPU
 #   preprocessing (ENSEMBLE_INSTANCES, 4, instances x nproc threads); device, preprocessing on the GPU
@@ -218,7 +220,7 @@ fi
 if [[ " ${SCENARIOS:-images} " == *" w8a16 "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_gemv.py tests/unit/test_fp8.py \
     -k "not llm_compressor"
-  "$py" -m perf.fp8_gemm_sweep --results "$results" --host "${HOST:-gpu}"
+  "$py" -m perf.fp8_gemm_sweep --results "$results" --host "${HOST:-gpu}" ${FP8_SWEEP_ARGS:-}
 fi
 if [[ " ${SCENARIOS:-images} " == *" fp8-engine "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_fp8.py -k "not llm_compressor"

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-flags", nargs=argparse.REMAINDER, default=[],
                         help="more build_engines flags for every model (last on the line), e.g. --chunk-tokens 256")
     parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=FLAGS",
-                        help="one more QoS model with these build_engines flags, e.g. 'rides=--qos-lower-rides true'")
+                        help="one more QoS model with these build_engines flags, e.g. rides=--qos-lower-rides=true")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="x capacity")
     parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))

@@ -37,6 +37,7 @@ class StepProfile:
     wall_ms: float  # a step, profiler on
     busy_ms: dict[str, float] = field(default_factory=dict)  # a step's device (CPU: op) time by category
     top: list[tuple[str, float]] = field(default_factory=list)  # the costliest kernels, ms a step
+    host_top: list[tuple[str, float]] = field(default_factory=list)  # on a GPU: the host's costliest ops, ms a step
 
     @property
     def total_ms(self) -> float:
@@ -72,18 +73,21 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
     while engine.has_work:
         engine.step()
     per_kernel: Counter[str] = Counter()
+    on_host: Counter[str] = Counter()
     for event in prof.key_averages():
-        on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if cuda and on_device:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[event.key] += event.device_time_total if hasattr(event, "device_time_total") \
                 else event.cuda_time_total
-        elif not cuda and not on_device and event.key.startswith("aten::"):
+        elif cuda:
+            on_host[event.key] += event.self_cpu_time_total
+        elif event.key.startswith("aten::"):
             per_kernel[event.key] += event.self_cpu_time_total
     found = StepProfile(rows, steps, 1e3 * wall / steps)
     for name, us in per_kernel.items():
         label = category(name)
         found.busy_ms[label] = found.busy_ms.get(label, 0.0) + us / 1e3 / steps
     found.top = [(name, us / 1e3 / steps) for name, us in per_kernel.most_common(8)]
+    found.host_top = [(name, us / 1e3 / steps) for name, us in on_host.most_common(8)]
     return found
 
 
@@ -91,5 +95,7 @@ def describe(found: StepProfile) -> str:
     """One line for a results table's notes."""
     parts = ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(found.busy_ms.items(), key=lambda kv: -kv[1]))
     top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in found.top)
+    host = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in found.host_top)
     return (f"decode steps of {found.rows} rows under the profiler: {found.wall_ms:.2f} ms a step, kernels "
-            f"{found.total_ms:.2f} ms ({parts}); costliest kernels, ms a step: {top}")
+            f"{found.total_ms:.2f} ms ({parts}); costliest kernels, ms a step: {top}"
+            + (f"; the host's costliest ops (self time), ms a step: {host}" if host else ""))

@@ -10,6 +10,15 @@ to keep the GPU's memory busy; their fp32 partial sums are added in a fixed orde
 depend on timing. perf.fp8_gemm_sweep measured the configurations: against bf16 cuBLAS on the same layers this is
 1.15x faster up to 16 rows and slower above (0.7x at 64, 0.45x at 256: the widened tiles feed the tensor cores
 through registers), but 3-5x faster than widening every weight for cuBLAS.
+
+`swap` computes the transposed product, out^T = W x^T: the widened weight tile becomes the MMA's first operand, which
+Hopper's wgmma can take from registers (where the widening leaves it), the input rows the second, read from shared
+memory as they are; the rows are then the MMA's N (8 to 256), the weight's columns its M (64 a warp group). This is
+how mixed-input GEMMs for few rows are built on Hopper ("swap AB"). Compiled for sm_90 (`python -m perf.kernel_asm`,
+any machine), Triton 3.6 does so: swapped, the product is a wgmma with the weight tile in registers; unswapped, the
+widened tile is stored to shared memory first, and with fewer than 64 rows a block it runs on mma.sync (Ampere's
+instruction) instead of wgmma. Whether that is faster is for perf.fp8_gemm_sweep to show on the GPU; until then no
+default configuration swaps.
 """
 from __future__ import annotations
 
@@ -32,13 +41,23 @@ class GemmConfig:
     split_k: int
     warps: int = 4
     stages: int = 4
+    swap: bool = False  # out^T = W x^T: the widened weight tile is the MMA's first operand (see the module's doc)
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # exact fp32 products, not TF32 (fp32 inputs; bf16 ones under the interpreter, see _widens)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
 def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, ITERS,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            STAGES: tl.constexpr):
+                            STAGES: tl.constexpr, SWAP: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks side by side: one
     # weight tile is read from memory once for all of them (L2 serves the others)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -46,17 +65,20 @@ def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
     k = pid_k * ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None].to(tl.int64) * K + k[None, :]
     w_tile = w_ptr + cols[:, None].to(tl.int64) * K + k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
     for i in tl.range(0, ITERS, num_stages=STAGES):
         in_k = k[None, :] < K - i * BLOCK_K
         x = tl.load(x_tile, mask=(rows[:, None] < M) & in_k, other=0.0)
         w = tl.load(w_tile, mask=(cols[:, None] < N) & in_k, other=0.0)
-        if IEEE:  # exact fp32 products, not TF32 (fp32 inputs; bf16 ones under the interpreter, see _widens)
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        w = w.to(x.dtype)
+        if SWAP:
+            acc = _mma(w, tl.trans(x), acc, IEEE)
         else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            acc = _mma(x, tl.trans(w), acc, IEEE)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
         acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
@@ -104,7 +126,7 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     _fp8_weight_gemm_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k,
                                   HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k, ITERS=iters,
                                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
-                                  num_warps=c.warps)
+                                  SWAP=c.swap, num_warps=c.warps)
     if split_k == 1:
         return out
     out = out.sum(0) * scale

@@ -14,6 +14,8 @@ CASES = [  # (M, N, K, config): one block, masked rows / columns / K, split-K wi
     (17, 50, 100, GemmConfig(16, 32, 32, 1)),
     (5, 48, 200, GemmConfig(16, 16, 32, 3)),
     (40, 96, 256, GemmConfig(32, 32, 64, 2)),
+    (17, 50, 100, GemmConfig(16, 64, 32, 1, swap=True)),  # the transposed product: masked, then split-K
+    (40, 96, 256, GemmConfig(32, 64, 64, 2, swap=True)),
 ]
 
 
@@ -39,12 +41,13 @@ def test_product_equals_the_dequantized_weights_product_in_fp32(m, n, k, config)
         assert torch.allclose(out.double(), reference(x, weight, scale, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16_bit_inputs_are_rounded_once_at_the_end(dtype):
+def test_16_bit_inputs_are_rounded_once_at_the_end(dtype, swap):
     """The fp32 sum is scaled and rounded once: within one rounding of the output (the interpreter truncates to
     bf16 instead of rounding, hence the looser CPU bound)."""
     x, weight, scale, bias = operands(20, 96, 256, dtype)
-    out = fp8_weight_matmul(x, weight, scale, bias, GemmConfig(32, 32, 64, 2))
+    out = fp8_weight_matmul(x, weight, scale, bias, GemmConfig(32, 64, 64, 2, swap=swap))
     ref = reference(x, weight, scale, bias)
     assert out.dtype == dtype
     tolerance = 8e-3 if dtype == torch.bfloat16 else 1e-3

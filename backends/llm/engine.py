@@ -33,9 +33,9 @@ from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_
 from backends.llm.lora import LoraSlots
 from backends.llm.model import DecoderModel, load_model
 from backends.llm.runner import ModelRunner
-from backends.llm.sampling import SamplingParams, sample
+from backends.llm.sampling import SamplingParams, greedy_tokens, sample, to_device
 from backends.llm.scheduler import Scheduler
-from backends.llm.sequence import Sequence
+from backends.llm.sequence import Sequence, Status
 from backends.llm.speculative import (Draft, DraftProposer, NgramProposer, mask_early_eos, next_length,
                                       verify_greedy, verify_sampled)
 
@@ -66,8 +66,9 @@ class EngineConfig(QosParams):
     # measured no faster, README): a new prompt prefills whole in a step of its own
     prompt_rows: int = bounded(32, 0)  # a decode step also computes up to this many prompt tokens in rows its CUDA
     # graph has spare: a prompt that fits joins it whole instead of a prefill step of its own; 0: never
-    overlap_steps: bool = False  # schedule and launch the next step before decoding this one's text, so the GPU
-    # runs while the host works (not yet measured on a GPU: README)
+    overlap_steps: bool = False  # launch the next decode step before this one's tokens are back (greedy sequences,
+    # no prompt waiting), else as soon as they are, before their text is decoded: the GPU runs while the host works
+    # (not yet measured on a GPU: README)
     qos_lower_rides: bool = False  # while a higher QoS class runs, lower-class text prompts start only in decode
     # steps, in chunks of prompt_rows (decode graphs get that many more rows), never by a prefill step that holds the
     # higher class up; off: they start within qos_lower_share (not yet measured on a GPU: README, QoS)
@@ -109,6 +110,7 @@ class Launched:
     prompt_tokens: int = 0  # prompt tokens it computes
     logits: torch.Tensor | None = None
     tokens: list[list[int] | Exception] | None = None
+    device_tokens: torch.Tensor | None = None  # every row's greedy token, taken on the device for the next step
     error: Exception | None = None
 
 
@@ -214,6 +216,7 @@ class LLMEngine:
                      (torch.cuda.memory_reserved(self.device) - before) / 2**30)
         self.stats = EngineStats()
         self.pending: Launched | None = None  # the step launched ahead (overlap_steps)
+        self.completed_at = 0.0  # when the last step's tokens came back (a step launched earlier is timed from then)
         log.info("LLM engine: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB, %s)", args.model_type, config.dtype,
                  self.device, num_blocks, config.block_size, num_blocks * per_block / 2**20,
                  str(self.model.kv_cache_dtype).removeprefix("torch."))
@@ -341,15 +344,18 @@ class LLMEngine:
         """Run one prefill or decode step; returns the sequences that got a token (some may have finished), and
         those that waited past their QoS timeout without starting (finished, with an Unavailable error).
 
-        With `overlap_steps`, the next step is scheduled and launched on the GPU as soon as this one's tokens are
-        in, and this one's text is decoded (and stop strings looked for) while the GPU runs it; the next call
-        completes that step. A sequence a stop string ends meanwhile computed one token too many in it, which is
-        dropped; its blocks are taken again only by a step scheduled after that one completed."""
+        With `overlap_steps`, the next step is launched on the GPU before this one's tokens are back when it can be
+        (`_can_follow`: it takes them on the device), else as soon as they are; this one's text is decoded (and stop
+        strings looked for) while the GPU runs it, and the next call completes that step. A sequence that ends
+        meanwhile (EOS, a stop string, a cancellation) computed one token too many in it, which is dropped; the
+        blocks it frees are written by later steps only after that one in the device's queue."""
         launched, self.pending = self.pending or self._launch(), None
         if not launched.seqs:
             return launched.expired
+        if self._can_follow(launched):
+            self.pending = self._launch(after=launched)
         seqs, deferred = self._complete(launched)
-        if self.config.overlap_steps and self.proposer is None and self.scheduler.has_work:
+        if self.config.overlap_steps and self.pending is None and self.proposer is None and self.scheduler.has_work:
             self.pending = self._launch()
         for seq in deferred:  # (the GPU runs the next step meanwhile)
             self._guard(seq, self._decode_text)
@@ -359,9 +365,32 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.pending is not None or self.scheduler.has_work
 
-    def _launch(self) -> Launched:
+    def _can_follow(self, launched: Launched) -> bool:
+        """Whether the next step can go before `launched`'s tokens are on the host: it is a decode step of every
+        running sequence, all greedy, and no prompt waits, so the next step decodes the same sequences one token
+        further, whatever their tokens are (those not at their last token)."""
+        seqs = launched.seqs
+        return (self.config.overlap_steps and self.proposer is None and launched.logits is not None
+                and launched.error is None and not launched.is_prefill and launched.decoding == len(seqs)
+                and not self.scheduler.waiting and set(self.scheduler.running) == {s for s in seqs if not s.finished}
+                and all(s.sampling.greedy and not s.fault for s in seqs)
+                and any(len(s.output_ids) + 1 < s.sampling.max_tokens for s in seqs))
+
+    def _launch(self, after: Launched | None = None) -> Launched:
         """Schedule a step and start it: the model's logits for the tokens to sample (on a GPU, still being
-        computed), or the verified tokens of a speculative step (which waits for the GPU)."""
+        computed), or the verified tokens of a speculative step (which waits for the GPU). `after`: the step still
+        running that this one continues (see `_can_follow`): its greedy tokens are taken on the device and are this
+        step's input there; meanwhile each of its sequences has a stand-in for its token (`Sequence.placeholder`),
+        or, when that token will be its last, sits this step out (`Sequence.ending`)."""
+        if after is not None:
+            after.device_tokens = greedy_tokens(after.logits, after.seqs, self.eos_ids)
+            for seq in after.seqs:
+                if len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
+                    seq.ending = True
+                else:
+                    seq.num_cached = seq.num_tokens
+                    seq.output_ids.append(0)
+                    seq.placeholder = True
         expired = self._expire()
         seqs, is_prefill = self.scheduler.schedule()
         launched = Launched(seqs, is_prefill, expired, time.monotonic())
@@ -382,7 +411,7 @@ class LLMEngine:
                 rows = [s.step_tokens for s in seqs]
                 launched.logits = self.runner.decode(seqs, rows=rows)[[r - 1 for r in itertools.accumulate(rows)]]
             else:
-                launched.logits = self.runner.decode(seqs)
+                launched.logits = self.runner.decode(seqs, ids=None if after is None else self._taken(after, seqs))
         except Exception as e:  # raised when the step completes (as StepFailed)
             launched.error = e
         finally:
@@ -391,17 +420,35 @@ class LLMEngine:
                     seq.draft_ids = []
         return launched
 
+    def _taken(self, after: Launched, seqs: list[Sequence]) -> torch.Tensor:
+        """The input ids of a decode step of `seqs` on the device: their tokens from `after`'s rows."""
+        row = {seq: i for i, seq in enumerate(after.seqs)}
+        if not all(seq in row for seq in seqs):
+            raise RuntimeError("a step launched ahead holds a sequence the step before it did not")
+        index = [row[seq] for seq in seqs]
+        if index == list(range(len(seqs))):
+            return after.device_tokens[:len(seqs)]
+        return after.device_tokens[to_device(index, torch.int64, self.device)]
+
     def _complete(self, launched: Launched) -> tuple[list[Sequence], list[Sequence]]:
         """Sample a launched step's tokens (waiting for the GPU) and append them; a sequence that ends here is
         finished now, text and all. Returns (the sequences that got a token, those whose text is still to decode).
         A sequence finished while the step ran (a stop string, a cancellation) gets nothing from it."""
         seqs = launched.seqs
+        for seq in seqs:  # the stand-ins of the step launched after this one make way for the tokens
+            seq.ending = False
+            if seq.placeholder:
+                seq.output_ids.pop()
+                seq.placeholder = False
         done = [i for i in launched.done if not seqs[i].finished]
         tokens = launched.tokens
         try:
             if launched.error is not None:
                 raise launched.error
-            if tokens is None:
+            if tokens is None and launched.device_tokens is not None:
+                chosen = launched.device_tokens.tolist()  # one device sync for the step
+                tokens = [[chosen[i]] for i in done]
+            elif tokens is None:
                 logits = launched.logits if len(done) == len(seqs) else launched.logits[done]
                 tokens = [t if isinstance(t, Exception) else [t] for t in sample(
                     logits, [seqs[i] for i in done], self.eos_ids)]
@@ -409,7 +456,9 @@ class LLMEngine:
             raise StepFailed(seqs) from e
         if not done and self.device.type == "cuda":  # nothing sampled waited for the step, whose host-side inputs
             torch.cuda.synchronize(self.device)  # the next one overwrites
-        seconds = time.monotonic() - launched.started  # sampling has brought the tokens to the host: it is over
+        now = time.monotonic()  # sampling has brought the tokens to the host: it is over
+        seconds = now - max(launched.started, self.completed_at)  # (launched ahead: it ran from the last one's end)
+        self.completed_at = now
         self.scheduler.yielded(seconds)
         self.stats.prefill_tokens += launched.prompt_tokens
         if launched.is_prefill:
@@ -521,8 +570,9 @@ class LLMEngine:
 
     def _take(self, seq: Sequence, token: int) -> None:
         """The token joins the sequence (its text not yet)."""
-        seq.num_cached = seq.num_tokens
-        self.blocks.register(seq)  # its newly full blocks join the prefix cache (before it may finish)
+        if seq.status is Status.RUNNING:  # (not one the step launched after its own preempted: it is recomputed)
+            seq.num_cached = seq.num_tokens
+            self.blocks.register(seq)  # its newly full blocks join the prefix cache (before it may finish)
         seq.output_ids.append(token)
         self.stats.generated_tokens += 1
 

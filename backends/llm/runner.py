@@ -67,20 +67,23 @@ class ModelRunner:
         self.max_batch, self.max_blocks = bucket(max_batch), bucket(-(-max_context // blocks.block_size))
         self.capture = capture
         # static decode inputs sized for the largest bucket, in one buffer (ids | positions | slots | LoRA rows |
-        # LoRA tiles | their number | block tables): a step fills its host mirror and sends it in one copy; graphs read
-        # the device views in place. A step has at most one LoRA tile a row.
+        # LoRA tiles | their number | block tables): a step fills a host mirror and sends it in one copy; graphs read
+        # the device views in place. A step has at most one LoRA tile a row. Two host mirrors, used in turn: a step
+        # may be prepared while the one before it is still queued (overlap_steps), its copy not yet made.
         b, pinned = self.max_batch, self.device.type == "cuda"
         self.tiles_at, self.count_at = tiles_at, count_at = 4 * b, (4 + 2 + MIXED) * b
         self.tables_at = count_at + 1
         size = self.tables_at + b * self.max_blocks
         self.staged = torch.full((size,), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in self.hosts] if pinned else None  # each mirror's last copy
+        self.turn = 0
         self.ids, self.positions, self.slots = self.staged[:b], self.staged[b:2 * b], self.staged[2 * b:3 * b]
         self.lora_perm, self.lora_tiles = self.staged[3 * b:tiles_at], self.staged[tiles_at:count_at].view(b, 2 + MIXED)
         self.lora_tile_count = self.staged[count_at:self.tables_at]
         self.tables = self.staged[self.tables_at:].view(b, self.max_blocks)
         self.lora_weights = torch.zeros(b, MIXED, device=self.device)  # the tiles' weights, in a float buffer
-        self.host_weights = torch.zeros(b, MIXED, pin_memory=pinned)
+        self.host_weights = [torch.zeros(b, MIXED, pin_memory=pinned) for _ in self.hosts]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         # fresh prompts: varlen attention over their own keys (an FP8 cache is read back instead, as decode reads it;
@@ -202,7 +205,11 @@ class ModelRunner:
     def decode_padded(self, rows: list[tuple[Sequence, int]], batch: int, width: int,
                       ids: torch.Tensor | None = None) -> torch.Tensor:
         n, b = len(rows), self.max_batch
-        host = self.host.numpy()  # padded rows: token 0 at position 0, written to and read from the scratch block
+        self.turn ^= 1
+        if self.copied is not None:
+            self.copied[self.turn].synchronize()  # (two steps ago: done unless steps are queued deeper than that)
+        staging, weights = self.hosts[self.turn], self.host_weights[self.turn]
+        host = staging.numpy()  # padded rows: token 0 at position 0, written to and read from the scratch block
         host[:self.tables_at] = 0
         host[:n] = 0 if ids is not None else [self.row_token(s, p) for s, p in rows]
         host[b:b + n] = [p for _, p in rows]
@@ -219,10 +226,12 @@ class ModelRunner:
             host[self.tiles_at:self.tiles_at + tiles * (2 + MIXED)] = plan.tiles.ravel()
             host[self.count_at] = tiles
             if tiles:
-                self.host_weights[:tiles] = torch.from_numpy(plan.weights)
-                self.lora_weights[:tiles].copy_(self.host_weights[:tiles], non_blocking=True)
+                weights[:tiles] = torch.from_numpy(plan.weights)
+                self.lora_weights[:tiles].copy_(weights[:tiles], non_blocking=True)
         used = self.tables_at + batch * self.max_blocks  # one host-to-device copy (asynchronous from pinned memory)
-        self.staged[:used].copy_(self.host[:used], non_blocking=True)
+        self.staged[:used].copy_(staging[:used], non_blocking=True)
+        if self.copied is not None:
+            self.copied[self.turn].record()
         if ids is not None:
             self.ids[:n].copy_(ids)
         if not self.capture:

@@ -36,11 +36,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     (temperature, top-k and top-p as per-row tensors over one sort); a seeded row draws from its own generator. A row
     whose sampling fails (non-finite logits, an injected fault) gets its exception instead of a token: it belongs
     to that sequence alone."""
-    early = [row for row, seq in enumerate(seqs) if len(seq.output_ids) < seq.sampling.min_tokens]
-    if eos_ids and early:  # EOS is not a choice before min_tokens (one indexing kernel for the batch)
-        logits[torch.tensor(early, device=logits.device)[:, None], torch.tensor(eos_ids, device=logits.device)] = \
-            float("-inf")
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits, seqs, eos_ids)
     failed: dict[int, Exception] = {i: InjectedFault("fault injected at sample") for i, seq in enumerate(seqs)
                                     if seq.fault == "sample"}
     rows = [i for i, seq in enumerate(seqs) if i not in failed and not seq.sampling.greedy
@@ -58,11 +54,28 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
     return chosen
 
 
+def greedy_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
+    """Each row's most likely token, on the logits' device and without waiting for it: EOS is not a choice before
+    min_tokens (one indexing kernel for the batch; the rows' indices sent from pinned memory, so the host does not
+    wait for the step either)."""
+    early = [row for row, seq in enumerate(seqs) if len(seq.output_ids) < seq.sampling.min_tokens]
+    if eos_ids and early:
+        logits[to_device(early, torch.int64, logits.device)[:, None], to_device(eos_ids, torch.int64, logits.device)] \
+            = float("-inf")
+    return logits.argmax(dim=-1)
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied asynchronously (a copy from pageable memory may wait for the
+    device's queue)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def sorted_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities in descending order, their token ids), [R, vocab] each: rows of logits after each row's
     temperature, top-k and top-p (the distribution a sampled token is drawn from; non-finite where it failed)."""
     device, vocab = logits.device, logits.shape[-1]
-    column = lambda values, dtype: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]  # noqa
+    column = lambda values, dtype: to_device(values, dtype, device)[:, None]  # noqa: E731
     ordered, order = (logits / column([p.temperature for p in params], torch.float32)).sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)[None, :]
     probs = ordered.softmax(-1)

@@ -158,8 +158,8 @@ class Scheduler:
         decode, kept = [], []
         while self.running:
             seq = self.running.pop(0)
-            if seq.num_tokens - seq.num_cached > 1:  # still prefilling: holds its blocks already
-                kept.append(seq)
+            if seq.num_tokens - seq.num_cached > 1 or seq.ending:  # still prefilling (holds its blocks already),
+                kept.append(seq)  # or its last token is being computed
                 continue
             while not self.blocks.can_hold(seq, seq.num_tokens) and self.running:
                 self.preempt(self.running.pop())

@@ -52,6 +52,11 @@ class Sequence:
     lora: tuple[tuple[LoraAdapter, float], ...] = ()  # (adapter, share) pairs: none, one, or the router's two
     lora_slots: list[int] = field(default_factory=list)  # their device slots while running
     fault: str | None = None  # a test's injected fault stage ("sample": its sampling fails)
+    # overlap_steps: while the engine launches the step after the one computing this sequence's next token, that
+    # token is a stand-in at the end of output_ids (`placeholder`), or, when it will be the last, no step follows
+    # (`ending`); both only within one engine.step call
+    placeholder: bool = False
+    ending: bool = False
     text: str = ""  # detokenised output so far (stop strings already cut)
     emitted: int = 0  # characters of `text` already handed to the caller
     _decode_offsets: tuple[int, int] = (0, 0)  # incremental detokenisation window (prefix, read)

@@ -149,6 +149,43 @@ def test_overlapped_steps_give_the_same_tokens_text_stops_and_cancellations(chec
     assert engine.pending is None and engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint, reference):
+    """With `overlap_steps`, a decode step of greedy sequences goes before the last step's tokens are on the host
+    (its input ids taken on the device, in the order the scheduler gives, which is turned around here every step):
+    the same tokens as transformers with different lengths and preemption (14 blocks of 4 tokens cannot hold them),
+    and as one step at a time with EOS and min_tokens; blocks back to idle."""
+    lengths = [5, 16, 9, 12, 1, 16, 3, 14]
+    engines = [make_engine(checkpoint, block_size=4, kv_cache_blocks=14, overlap_steps=overlap)
+               for overlap in (False, True)]
+    ahead = engines[1]
+    taken = []
+    real_taken = ahead._taken
+    ahead._taken = lambda after, seqs: taken.append(len(seqs)) or real_taken(after, seqs)
+    turned = ahead.scheduler.policy
+    ahead.scheduler.policy = lambda seq, now: tuple(-v for v in turned(seq, now)[-1:])  # newest first
+
+    def run(engine, eos_ids, min_tokens):
+        engine.eos_ids = eos_ids
+        seqs = [engine.add(p, SamplingParams(max_tokens=n, min_tokens=min_tokens(n))) for p, n in zip(PROMPTS, lengths)]
+        while engine.has_work:
+            assert all(not s.placeholder and not s.ending for s in engine.step())
+        assert engine.blocks.num_free == 14 and engine.pending is None
+        return [s.output_ids for s in seqs]
+
+    plain = run(ahead, (), lambda n: 0)
+    assert plain == [reference(p, n) for p, n in zip(PROMPTS, lengths)]
+    assert ahead.scheduler.preemptions > 0 and len(taken) > 10
+    eos = next(o[i] for o, n in zip(plain, lengths) for i in range(n // 2, n - 1))  # met after min_tokens
+    ended = [run(engine, (eos,), lambda n: n // 2) for engine in engines]
+    assert ended[0] == ended[1] and any(len(o) < n for o, n in zip(ended[1], lengths))
+    # a step launched ahead preempts a sequence whose token is still on its way: that token joins it all the same
+    engine = make_engine(checkpoint, block_size=4, kv_cache_blocks=12, overlap_steps=True)
+    preempt, in_flight = engine.scheduler.preempt, []
+    engine.scheduler.preempt = lambda seq: in_flight.append(seq.placeholder) or preempt(seq)
+    seqs = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=20))
+    assert any(in_flight) and [s.output_ids for s in seqs] == [reference(p, 20) for p in PROMPTS[:3]]
+
+
 def test_text_of_ids_equals_the_tokenizers_decode(checkpoint):
     """The detokeniser's shortcut to the fast tokenizer's backend gives `decode(ids, skip_special_tokens=True)`,
     special tokens, partial UTF-8 and all."""

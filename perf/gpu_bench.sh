@@ -37,7 +37,8 @@
 #   next step launched before this one's text is decoded), one run, and their decode steps of 1 and 64 sequences
 #   under torch.profiler, kernel time by kind (perf.llm_engine --variants --profile-rows);
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
-#   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time;
+#   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time
+#   (LLM8B_FLAGS: more build_engines flags, e.g. "--overlap-steps true");
 #   "speculative": the speculative decoding tests on the GPU, then perf.speculative on Llama-3-8B shapes (agreement
 #   set by construction, by batch size) and, with SMOLLM2_GGUF (the GGUF file `make engines` keeps in .checkpoints/gguf/,
 #   carried to the host), on SmolLM2 with prompt lookup and a draft of DRAFT_LAYERS (4) layers distilled in the run;
@@ -241,7 +242,8 @@ if [[ " ${SCENARIOS:-images} " == *" llm8b "* ]]; then
   if [ "${TINY:-0}" = 1 ]; then
     "${build[@]}" llm --tiny
   else
-    "${build[@]}" llm --random-init llama-3-8b --precision bf16 --device cuda
+    # shellcheck disable=SC2086
+    "${build[@]}" llm --random-init llama-3-8b --precision bf16 --device cuda ${LLM8B_FLAGS:-}
   fi
   "$py" -c "import sys, tempfile; from pathlib import Path; from perf.llm_scenarios import served_llm_in_process_bench; \
 from perf.report import hardware_line; \

@@ -33,7 +33,7 @@ from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_
 from backends.llm.lora import LoraSlots
 from backends.llm.model import DecoderModel, load_model
 from backends.llm.runner import ModelRunner
-from backends.llm.sampling import SamplingParams, greedy_tokens, sample, to_device
+from backends.llm.sampling import Drawn, SamplingParams, chosen, draw, sample, to_device
 from backends.llm.scheduler import Scheduler
 from backends.llm.sequence import Sequence, Status
 from backends.llm.speculative import (Draft, DraftProposer, NgramProposer, mask_early_eos, next_length,
@@ -66,9 +66,9 @@ class EngineConfig(QosParams):
     # measured no faster, README): a new prompt prefills whole in a step of its own
     prompt_rows: int = bounded(32, 0)  # a decode step also computes up to this many prompt tokens in rows its CUDA
     # graph has spare: a prompt that fits joins it whole instead of a prefill step of its own; 0: never
-    overlap_steps: bool = False  # launch the next decode step before this one's tokens are back (greedy sequences,
-    # no prompt waiting), else as soon as they are, before their text is decoded: the GPU runs while the host works
-    # (not yet measured on a GPU: README)
+    overlap_steps: bool = False  # launch the next decode step before this one's tokens are back (no prompt
+    # waiting), else as soon as they are, before their text is decoded: the GPU runs while the host works (not yet
+    # measured on a GPU: README)
     qos_lower_rides: bool = False  # while a higher QoS class runs, lower-class text prompts start only in decode
     # steps, in chunks of prompt_rows (decode graphs get that many more rows), never by a prefill step that holds the
     # higher class up; off: they start within qos_lower_share (not yet measured on a GPU: README, QoS)
@@ -110,7 +110,7 @@ class Launched:
     prompt_tokens: int = 0  # prompt tokens it computes
     logits: torch.Tensor | None = None
     tokens: list[list[int] | Exception] | None = None
-    device_tokens: torch.Tensor | None = None  # every row's greedy token, taken on the device for the next step
+    drawn: Drawn | None = None  # every row's token, drawn on the device for the step launched after it
     error: Exception | None = None
 
 
@@ -367,23 +367,22 @@ class LLMEngine:
 
     def _can_follow(self, launched: Launched) -> bool:
         """Whether the next step can go before `launched`'s tokens are on the host: it is a decode step of every
-        running sequence, all greedy, and no prompt waits, so the next step decodes the same sequences one token
-        further, whatever their tokens are (those not at their last token)."""
+        running sequence and no prompt waits, so the next step decodes the same sequences one token further,
+        whatever their tokens are (those not at their last token)."""
         seqs = launched.seqs
         return (self.config.overlap_steps and self.proposer is None and launched.logits is not None
                 and launched.error is None and not launched.is_prefill and launched.decoding == len(seqs)
                 and not self.scheduler.waiting and set(self.scheduler.running) == {s for s in seqs if not s.finished}
-                and all(s.sampling.greedy and not s.fault for s in seqs)
                 and any(len(s.output_ids) + 1 < s.sampling.max_tokens for s in seqs))
 
     def _launch(self, after: Launched | None = None) -> Launched:
         """Schedule a step and start it: the model's logits for the tokens to sample (on a GPU, still being
         computed), or the verified tokens of a speculative step (which waits for the GPU). `after`: the step still
-        running that this one continues (see `_can_follow`): its greedy tokens are taken on the device and are this
-        step's input there; meanwhile each of its sequences has a stand-in for its token (`Sequence.placeholder`),
+        running that this one continues (see `_can_follow`): its tokens are drawn on the device and are this step's
+        input there; meanwhile each of its sequences has a stand-in for its token (`Sequence.placeholder`),
         or, when that token will be its last, sits this step out (`Sequence.ending`)."""
         if after is not None:
-            after.device_tokens = greedy_tokens(after.logits, after.seqs, self.eos_ids)
+            after.drawn = draw(after.logits, after.seqs, self.eos_ids)
             for seq in after.seqs:
                 if len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
                     seq.ending = True
@@ -427,8 +426,8 @@ class LLMEngine:
             raise RuntimeError("a step launched ahead holds a sequence the step before it did not")
         index = [row[seq] for seq in seqs]
         if index == list(range(len(seqs))):
-            return after.device_tokens[:len(seqs)]
-        return after.device_tokens[to_device(index, torch.int64, self.device)]
+            return after.drawn.tokens[:len(seqs)]
+        return after.drawn.tokens[to_device(index, torch.int64, self.device)]
 
     def _complete(self, launched: Launched) -> tuple[list[Sequence], list[Sequence]]:
         """Sample a launched step's tokens (waiting for the GPU) and append them; a sequence that ends here is
@@ -445,9 +444,9 @@ class LLMEngine:
         try:
             if launched.error is not None:
                 raise launched.error
-            if tokens is None and launched.device_tokens is not None:
-                chosen = launched.device_tokens.tolist()  # one device sync for the step
-                tokens = [[chosen[i]] for i in done]
+            if tokens is None and launched.drawn is not None:
+                every = chosen(launched.drawn)
+                tokens = [every[i] if isinstance(every[i], Exception) else [every[i]] for i in done]
             elif tokens is None:
                 logits = launched.logits if len(done) == len(seqs) else launched.logits[done]
                 tokens = [t if isinstance(t, Exception) else [t] for t in sample(

@@ -31,27 +31,48 @@ class SamplingParams:
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy decoding (its limit); dividing by it would overflow
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int | Exception]:
-    """logits: [B, vocab] float32 for the last position of each sequence. The sampled rows are processed together
-    (temperature, top-k and top-p as per-row tensors over one sort); a seeded row draws from its own generator. A row
-    whose sampling fails (non-finite logits, an injected fault) gets its exception instead of a token: it belongs
-    to that sequence alone."""
+@dataclass
+class Drawn:
+    """A step's tokens on the device, before the host has them (see `draw`)."""
+    tokens: torch.Tensor  # [B]
+    failed: dict[int, Exception]  # rows known to fail already (an injected fault)
+    rows: list[int]  # the sampled rows
+    finite: torch.Tensor | None  # whether each sampled row's probabilities were finite
+
+
+def draw(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> Drawn:
+    """Each row's token on the logits' device, without waiting for the device (`Drawn.chosen` waits): greedy rows
+    by argmax, the sampled rows together (temperature, top-k and top-p as per-row tensors over one sort), a seeded
+    row from its own generator."""
     tokens = greedy_tokens(logits, seqs, eos_ids)
     failed: dict[int, Exception] = {i: InjectedFault("fault injected at sample") for i, seq in enumerate(seqs)
                                     if seq.fault == "sample"}
     rows = [i for i, seq in enumerate(seqs) if i not in failed and not seq.sampling.greedy
             and seq.sampling.temperature >= GREEDY_BELOW]
+    finite = None
     if rows:
-        drawn, finite = _sample_rows(logits[rows], [seqs[i] for i in rows])
-        tokens = tokens.clone()
-        tokens[rows] = drawn
-        for i, ok in zip(rows, finite.tolist()):
-            if not ok:
-                failed[i] = RuntimeError("sampling failed: the model's probabilities are not finite")
-    chosen: list[int | Exception] = tokens.tolist()  # one device sync for the whole batch
+        index = to_device(rows, torch.int64, logits.device)
+        drawn, finite = _sample_rows(logits[index], [seqs[i] for i in rows])
+        tokens = tokens.index_copy(0, index, drawn)
+    return Drawn(tokens, failed, rows, finite)
+
+
+def chosen(drawn: Drawn) -> list[int | Exception]:
+    """The drawn tokens on the host (one device sync for the batch); a row whose sampling failed (non-finite
+    logits, an injected fault) gets its exception instead: it belongs to that sequence alone."""
+    tokens: list[int | Exception] = drawn.tokens.tolist()
+    failed = dict(drawn.failed)
+    for i, ok in zip(drawn.rows, drawn.finite.tolist() if drawn.rows else ()):
+        if not ok:
+            failed[i] = RuntimeError("sampling failed: the model's probabilities are not finite")
     for i, error in failed.items():
-        chosen[i] = error
-    return chosen
+        tokens[i] = error
+    return tokens
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> list[int | Exception]:
+    """logits: [B, vocab] float32 for the last position of each sequence -> each row's token or its failure."""
+    return chosen(draw(logits, seqs, eos_ids))
 
 
 def greedy_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
@@ -100,8 +121,11 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tens
     probs = torch.where(finite[:, None], probs, first.float())  # a failed row draws something harmless
     picks = torch.empty(len(seqs), 1, dtype=torch.int64, device=device)
     unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    if unseeded:
-        picks[unseeded] = torch.multinomial(probs[unseeded], 1)
+    if len(unseeded) == len(seqs):
+        picks = torch.multinomial(probs, 1)
+    elif unseeded:
+        index = to_device(unseeded, torch.int64, device)
+        picks[index] = torch.multinomial(probs[index], 1)
     for i, seq in enumerate(seqs):  # a seeded request draws from its own generator, whatever its batch
         if seq.sampling.seed is not None:
             picks[i] = torch.multinomial(probs[i], 1, generator=generator(seq, device))

@@ -150,10 +150,10 @@ def test_overlapped_steps_give_the_same_tokens_text_stops_and_cancellations(chec
 
 
 def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint, reference):
-    """With `overlap_steps`, a decode step of greedy sequences goes before the last step's tokens are on the host
+    """With `overlap_steps`, a decode step goes before the last step's tokens are on the host
     (its input ids taken on the device, in the order the scheduler gives, which is turned around here every step):
     the same tokens as transformers with different lengths and preemption (14 blocks of 4 tokens cannot hold them),
-    and as one step at a time with EOS and min_tokens; blocks back to idle."""
+    and as one step at a time with EOS and min_tokens, and with seeded sampling; blocks back to idle."""
     lengths = [5, 16, 9, 12, 1, 16, 3, 14]
     engines = [make_engine(checkpoint, block_size=4, kv_cache_blocks=14, overlap_steps=overlap)
                for overlap in (False, True)]
@@ -164,9 +164,10 @@ def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint
     turned = ahead.scheduler.policy
     ahead.scheduler.policy = lambda seq, now: tuple(-v for v in turned(seq, now)[-1:])  # newest first
 
-    def run(engine, eos_ids, min_tokens):
+    def run(engine, eos_ids, min_tokens, **sampling):
         engine.eos_ids = eos_ids
-        seqs = [engine.add(p, SamplingParams(max_tokens=n, min_tokens=min_tokens(n))) for p, n in zip(PROMPTS, lengths)]
+        seqs = [engine.add(p, SamplingParams(max_tokens=n, min_tokens=min_tokens(n), seed=i, **sampling))
+                for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
         while engine.has_work:
             assert all(not s.placeholder and not s.ending for s in engine.step())
         assert engine.blocks.num_free == 14 and engine.pending is None
@@ -178,6 +179,8 @@ def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint
     eos = next(o[i] for o, n in zip(plain, lengths) for i in range(n // 2, n - 1))  # met after min_tokens
     ended = [run(engine, (eos,), lambda n: n // 2) for engine in engines]
     assert ended[0] == ended[1] and any(len(o) < n for o, n in zip(ended[1], lengths))
+    drawn = [run(engine, (), lambda n: 0, temperature=0.9, top_p=0.95) for engine in engines]  # seeded sampling
+    assert drawn[0] == drawn[1] != plain
     # a step launched ahead preempts a sequence whose token is still on its way: that token joins it all the same
     engine = make_engine(checkpoint, block_size=4, kv_cache_blocks=12, overlap_steps=True)
     preempt, in_flight = engine.scheduler.preempt, []
@@ -307,18 +310,23 @@ def test_prefill_by_sequence_equals_the_padded_masked_path():
     torch.testing.assert_close(paged_attention(q, cache, AttentionMetadata(*args, spans=spans)), expected)
 
 
-def test_a_sequence_whose_sampling_fails_ends_alone(checkpoint, reference):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sequence_whose_sampling_fails_ends_alone(checkpoint, reference, overlap):
     """A failure inside one sequence's sampling finishes that sequence with its error and frees its blocks; the
-    greedy and sampled sequences beside it run to the end with the tokens they would have had alone."""
+    greedy and sampled sequences beside it run to the end with the tokens they would have had alone (with
+    `overlap_steps`, the failing step's successor is already launched)."""
     from backends.core.errors import InjectedFault
 
-    engine = make_engine(checkpoint)
+    engine = make_engine(checkpoint, overlap_steps=overlap)
     good = engine.add(PROMPTS[0], SamplingParams(max_tokens=12))
     sampled = engine.add(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.8, seed=1))
-    bad = engine.add(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.8, seed=13), fault="sample")
+    bad = engine.add(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.8, seed=13))
+    for _ in range(4):
+        engine.step()
+    bad.fault = "sample"  # from its next step on
     while engine.has_work:
         engine.step()
-    assert bad.finish_reason == "error" and isinstance(bad.error, InjectedFault) and bad.output_ids == []
+    assert bad.finish_reason == "error" and isinstance(bad.error, InjectedFault) and 0 < len(bad.output_ids) < 6
     assert good.output_ids == reference(PROMPTS[0], 12) and good.error is None
     alone = make_engine(checkpoint).generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.8, seed=1))[0]
     assert sampled.output_ids == alone.output_ids

@@ -206,8 +206,8 @@ class ModelRunner:
                       ids: torch.Tensor | None = None) -> torch.Tensor:
         n, b = len(rows), self.max_batch
         self.turn ^= 1
-        if self.copied is not None:
-            self.copied[self.turn].synchronize()  # (two steps ago: done unless steps are queued deeper than that)
+        if self.copied is not None and not self.copied[self.turn].query():  # (two steps ago: done, unless steps
+            self.copied[self.turn].synchronize()  # are queued deeper than that)
         staging, weights = self.hosts[self.turn], self.host_weights[self.turn]
         host = staging.numpy()  # padded rows: token 0 at position 0, written to and read from the scratch block
         host[:self.tables_at] = 0

@@ -189,6 +189,29 @@ def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint
     assert any(in_flight) and [s.output_ids for s in seqs] == [reference(p, 20) for p in PROMPTS[:3]]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: what waits for the device")
+def test_a_step_launched_ahead_never_waits_for_the_device(checkpoint):
+    """Launching a decode step ahead of the last one's tokens (drawing them, scheduling, the inputs, the graph's
+    replay) makes no call that waits for the device (torch's sync debug mode raises on one), greedy or sampled."""
+    engine = make_engine(checkpoint, device="cuda", dtype="bf16", overlap_steps=True)
+    launch, ahead = engine._launch, []
+
+    def checked(after=None):
+        if after is None:
+            return launch()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ahead.append(launch(after))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return ahead[-1]
+
+    engine._launch = checked
+    engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12))
+    engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3))
+    assert len(ahead) > 10 and all(step.error is None for step in ahead)
+
+
 def test_text_of_ids_equals_the_tokenizers_decode(checkpoint):
     """The detokeniser's shortcut to the fast tokenizer's backend gives `decode(ids, skip_special_tokens=True)`,
     special tokens, partial UTF-8 and all."""

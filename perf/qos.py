@@ -209,7 +209,9 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
         rate = capacity(server.grpc_url, family, f"{family}_fifo", mix, requests, concurrency, 8 * concurrency)
         print(f"{family} capacity: {rate:.2f} requests/s", flush=True)
         for load in args.loads:
-            schedule = poisson_schedule(load * rate, args.duration_s, mix, seed=int(load * 1000))
+            high = sum(k.share for k in mix if k.qos_class == "high") / sum(k.share for k in mix)
+            duration = max(args.duration_s, args.min_high / (load * rate * high))  # enough for a p99 (see --min-high)
+            schedule = poisson_schedule(load * rate, duration, mix, seed=int(load * 1000))
             for model in models:
                 before, start = model_metrics(server.metrics_url, model), time.perf_counter()
                 sent = asyncio.run(send_schedule(server.grpc_url, family, model, schedule, requests,
@@ -255,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=FLAGS",
                         help="one more QoS model with these build_engines flags, e.g. rides=--qos-lower-rides=true")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="x capacity")
-    parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model, at least")
+    parser.add_argument("--min-high", type=int, default=100, help="a load's arrivals last until about this many "
+                        "high-class requests are expected (the p99 of 10 requests is their maximum; the light load "
+                        "needs longer than the heavy one)")
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default="vm")
     args = parser.parse_args(argv)
@@ -268,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         family_rows, family_notes = run_family(family, checkpoint, args)
         rows += family_rows
         notes += family_notes
-    notes.append(f"Poisson arrivals for {args.duration_s:g} s per load and model, the same schedule for both models of "
+    notes.append(f"Poisson arrivals for {args.duration_s:g} s per load and model, or longer where fewer than "
+                 f"{args.min_high} high-class requests would be sent, the same schedule for the models of "
                  f"a family. Engines: max_batch {args.max_batch}"
                  f"{', ' + ' '.join(args.engine_flags) if args.engine_flags else ''}. `*_qos`: default QoS settings "
                  "(aging bounds high 1 s / normal 5 s / low 30 s, queue limits 256 / 512 / 512; LLM engines: while a "

@@ -43,6 +43,21 @@ class QosParams(Parameters):
     qos_size_max: str = mapping("image=2880,audio=30,text=8192", SIZES)  # sizes that count as 1 in the score
 
 
+class LowerShare:
+    """While a higher class runs, work of lower classes (not overdue) starts in at most `share` of the time: after
+    such work took t seconds, the next waits t (1 - share) / share. One step of it (a long prompt's prefill, a batch
+    of clips through the encoder) holds up every running request of the higher class for its whole length."""
+
+    def __init__(self, share: float):
+        self.share, self.open_at = share, 0.0
+
+    def closed(self, now: float) -> bool:
+        return now < self.open_at
+
+    def spent(self, seconds: float, now: float) -> None:
+        self.open_at = now + seconds * (1 - self.share) / self.share
+
+
 @dataclass(eq=False)
 class Ticket:
     """One request's place in a QoS queue."""

@@ -17,6 +17,7 @@ from collections import deque
 
 from typing import TYPE_CHECKING
 
+from backends.core.qos import LowerShare
 from backends.llm.kv_cache import BlockManager
 from backends.llm.sequence import Sequence, Status
 
@@ -42,8 +43,7 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
         # while a higher QoS class runs, lower-class prompts start in at most `lower_share` of the engine's time, in
         # steps of at most `lower_tokens` prompt tokens (see `_prefill`)
-        self.lower_share, self.lower_tokens = lower_share, lower_tokens
-        self.lower_open_at = 0.0  # lower-class prompts wait until then while a higher class runs
+        self.lower, self.lower_tokens = LowerShare(lower_share), lower_tokens
         self.lower_step = False  # the step scheduled last started lower-class prompts beside a higher class
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -101,7 +101,7 @@ class Scheduler:
             if rides_lower and not riding:
                 break
             if lower and not rides_lower and not self.lower_step:  # the first lower prompt (the rest are lower too)
-                if self.now < self.lower_open_at:
+                if self.lower.closed(self.now):
                     break
                 budget = min(budget, self.lower_tokens or budget)
             if budget <= 0:
@@ -136,7 +136,7 @@ class Scheduler:
         """The engine ran the step scheduled last in `seconds`: when it started lower-class prompts beside a higher
         class, the next such step waits until the lower classes' time is back within their share."""
         if self.lower_step:
-            self.lower_open_at = time.monotonic() + seconds * (1 - self.lower_share) / self.lower_share
+            self.lower.spent(seconds, time.monotonic())
 
     def _make_room(self, seq: Sequence, chosen: list[Sequence]) -> bool:
         """A full batch takes a waiting sequence of a higher QoS class by preempting the running sequence last in

@@ -69,7 +69,7 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
         self.takes_samples = AUDIO in {t["name"] for t in self.model_config["input"]}
         self.engine = None if self.decodes_only else WhisperEngine(
             self.folder, self.params.dtype, self.device, self.params.max_batch, self.params.encoder_batch,
-            self.params.cuda_graphs)
+            self.params.cuda_graphs, self.params.qos_lower_share)
 
     def batch_limit(self) -> int:
         return super().batch_limit() if self.decodes_only else self.params.max_batch
@@ -177,8 +177,10 @@ class WhisperSteps:
         return bool(self.failed) or self.engine.has_work
 
     def room(self, waiting: Ticket | None) -> int:
-        engine = self.engine
-        if engine.room <= 0 and waiting is not None and engine.preempt_for(waiting, time.monotonic()):
+        engine, now = self.engine, time.monotonic()
+        if not engine.admits(waiting, now):  # a lower class, its share of the time spent: it waits (so do the rest)
+            return 0
+        if engine.room <= 0 and waiting is not None and engine.preempt_for(waiting, now):
             return 1  # the slot a lower-class clip gave up, for `waiting`'s request
         return max(0, engine.room)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from backends.core.batcher import BatchingParams
 from backends.core.devices import DTYPES, resolve_device
 from backends.core.errors import InvalidInput
 from backends.core.params import bounded, choice, device
-from backends.core.qos import Ticket
+from backends.core.qos import LowerShare, Ticket
 from backends.media.audio import AudioLimits
 from backends.whisper.decoder import SlotDecoder
 from backends.whisper.features import LogMel
@@ -44,6 +45,9 @@ class WhisperParams(BatchingParams):
     max_batch: int = bounded(64, 1)  # decoder slots: clips (30 s chunks) decoded at once
     encoder_batch: int = bounded(16, 1)  # clips that join per step (their encoder pass delays that step)
     cuda_graphs: bool = True  # decoder steps replayed from CUDA graphs (GPU only)
+    qos_lower_share: float = bounded(0.25, 0, 1, low_open=True)  # while a clip of a higher QoS class decodes, clips
+    # of lower classes (not overdue) start in at most this share of the time: their encoder pass holds its steps up
+    # (on the CPU; on a GPU it runs on a stream of its own, so the share measures only its launch; 1: no limit)
     prepare_threads: int = bounded(4, 1, 256)  # audio decoding threads per instance
     max_audio_seconds: float = bounded(AudioLimits.max_seconds, 0, low_open=True)
     max_channels: int = bounded(AudioLimits.max_channels, 1)
@@ -82,7 +86,7 @@ class Clip:
 
 class WhisperEngine:
     def __init__(self, checkpoint: Path, dtype: str = "fp32", device: str = "auto", slots: int = 64,
-                 encoder_batch: int = 16, cuda_graphs: bool = True):
+                 encoder_batch: int = 16, cuda_graphs: bool = True, lower_share: float = 1.0):
         from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
         self.device, self.dtype = resolve_device(device), DTYPES[dtype]
@@ -104,6 +108,7 @@ class WhisperEngine:
         self.join_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.joining: list[tuple[torch.cuda.Event, list[Clip]]] = []  # encoders in flight on join_stream
         self.preempted: collections.deque[Clip] = collections.deque()  # rejoin from scratch after `waiting`
+        self.lower = LowerShare(lower_share)  # lower-class clips joining while a higher class decodes (`admits`)
         # decoder steps, tokens fed by them (clips x steps), clips encoded, clips preempted
         self.steps = self.fed = self.encoded = self.preemptions = 0
 
@@ -139,6 +144,16 @@ class WhisperEngine:
     def room(self) -> int:
         """Slots free for clips not queued yet."""
         return self.free_slots - len(self.waiting) - len(self.preempted)
+
+    def admits(self, ticket: Ticket | None, now: float) -> bool:
+        """Whether a clip of `ticket` may start joining now: not one of a class lower than a running clip's while
+        the lower classes' share of the time is spent (`qos_lower_share`), unless it is overdue."""
+        if ticket is None or ticket.overdue(now) or not self.lower.closed(now):
+            return True
+        return ticket.rank <= min(self._ranks(), default=ticket.rank)
+
+    def _ranks(self) -> list[int]:
+        return [clip.ticket.rank for clip in self.running if clip is not None and clip.ticket is not None]
 
     def preempt_for(self, ticket: Ticket, now: float) -> bool:
         """When the engine is full: frees a slot for a request of `ticket` by preempting the decoding clip last in
@@ -194,12 +209,15 @@ class WhisperEngine:
         (the encoder is compute-bound, a step mostly waits on memory); clips that fail here are returned with their
         error."""
         free = [i for i, clip in enumerate(self.running) if clip is None]
-        clips = []
-        for queue in (self.waiting, self.preempted):
-            while queue and len(clips) < min(len(free), self.encoder_batch):
+        clips, now, top = [], time.monotonic(), min(self._ranks(), default=None)
+        for queue in (self.waiting, self.preempted):  # (the waiting ones were admitted: `admits`)
+            while queue and len(clips) < min(len(free), self.encoder_batch) and \
+                    (queue is self.waiting or self.admits(queue[0].ticket, now)):
                 clips.append(queue.popleft())
         if not clips:
             return []
+        lower = top is not None and any(c.ticket is not None and c.ticket.rank > top and not c.ticket.overdue(now)
+                                        for c in clips)
         try:
             with torch.inference_mode(), torch.cuda.stream(self.join_stream) if self.join_stream else nullcontext():
                 features = self.features([clip.audio for clip in clips], self.device).to(self.dtype)
@@ -207,6 +225,8 @@ class WhisperEngine:
                 self.decoder.join(free[:len(clips)], encoded)
                 event = self.join_stream.record_event() if self.join_stream else None
             self.encoded += len(clips)
+            if lower:
+                self.lower.spent(time.monotonic() - now, time.monotonic())
         except Exception as e:
             log.exception("whisper encoder failed on %d clips", len(clips))
             for clip in clips:

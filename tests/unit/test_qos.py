@@ -207,7 +207,7 @@ def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_
     engine.step()  # the gate is open: one low prompt starts (6 tokens of the cap of 8; two would be 12)
     started = len(high.prompt_ids) + 6
     assert scheduler.running == [high, lows[0]] and engine.stats.prefill_tokens == started
-    assert scheduler.lower_open_at > time.monotonic()  # that step's time, 99 times over
+    assert scheduler.lower.open_at > time.monotonic()  # that step's time, 99 times over
     for _ in range(3):
         engine.step()  # the high request decodes; the second low prompt waits for the share of time
         assert lows[1] in scheduler.waiting and engine.stats.prefill_tokens == started

@@ -118,6 +118,39 @@ def test_a_higher_class_preempts_the_last_low_clip_which_restarts_with_the_same_
         assert clip.error is None and clip.tokens == expected.tokens  # the preempted clip started again
 
 
+def test_lower_class_clips_join_in_their_share_of_time_while_a_higher_class_decodes(whisper_checkpoint):
+    """While a high clip decodes, a low clip's encoder pass closes the gate for (1 - share) / share of its time:
+    the next low clip waits (a preempted one too; an overdue one would not), and once the high clip is done it goes
+    on; every clip keeps its tokens."""
+    from backends.core.qos import QosParams, QosPolicy
+
+    policy = QosPolicy(QosParams())
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=4, lower_share=0.001)
+    audio = [RNG.normal(0, 0.1, 16000 * s).astype(np.float32) for s in (2, 3, 4)]
+    alone = engine.transcribe(audio, ["en"] * 3, ["transcribe"] * 3, [20, 4, 4])
+    high = Clip(audio[0], "en", "transcribe", 20, ticket=policy.ticket("high", 0.1))
+    engine.add(high)
+    engine.step()
+    low = policy.ticket("low", 0.5)
+    assert engine.admits(low, time.monotonic())  # the gate is open
+    first = Clip(audio[1], "en", "transcribe", 4, ticket=low)
+    engine.add(first)
+    engine.step()  # its encoder pass: the gate closes for about 1000 times that
+    now = time.monotonic()
+    assert first.joined and engine.lower.closed(now)
+    assert not engine.admits(policy.ticket("low", 0.5), now) and engine.admits(policy.ticket("high", 0.5), now)
+    assert engine.admits(policy.ticket("low", 0.5, arrival=now - 60), now)  # overdue
+    waiter = Clip(audio[2], "en", "transcribe", 4, ticket=policy.ticket("low", 0.5))
+    engine.preempted.append(waiter)  # as if preempted: it rejoins when allowed
+    engine.step()
+    assert engine.preempted[0] is waiter and waiter.slot == -1
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    assert done.index(high) < done.index(waiter)  # it joined once no higher class decoded
+    assert [c.tokens for c in (high, first, waiter)] == [a.tokens for a in alone]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
 def test_cuda_graph_steps_keep_transformers_tokens(whisper_checkpoint):
     from transformers import WhisperForConditionalGeneration

@@ -353,7 +353,12 @@ class LLMEngine:
         if not launched.seqs:
             return launched.expired
         if self._can_follow(launched):
-            self.pending = self._launch(after=launched)
+            try:
+                launched.drawn = draw(launched.logits, launched.seqs, self.eos_ids)
+            except Exception as e:  # raised when the step completes (as StepFailed)
+                launched.error = e
+            else:
+                self.pending = self._launch(after=launched)
         seqs, deferred = self._complete(launched)
         if self.config.overlap_steps and self.pending is None and self.proposer is None and self.scheduler.has_work:
             self.pending = self._launch()
@@ -378,11 +383,10 @@ class LLMEngine:
     def _launch(self, after: Launched | None = None) -> Launched:
         """Schedule a step and start it: the model's logits for the tokens to sample (on a GPU, still being
         computed), or the verified tokens of a speculative step (which waits for the GPU). `after`: the step still
-        running that this one continues (see `_can_follow`): its tokens are drawn on the device and are this step's
+        running that this one continues (see `_can_follow`), its tokens drawn on the device: they are this step's
         input there; meanwhile each of its sequences has a stand-in for its token (`Sequence.placeholder`),
         or, when that token will be its last, sits this step out (`Sequence.ending`)."""
         if after is not None:
-            after.drawn = draw(after.logits, after.seqs, self.eos_ids)
             for seq in after.seqs:
                 if len(seq.output_ids) + 1 >= seq.sampling.max_tokens:
                     seq.ending = True

@@ -41,7 +41,7 @@ class Drawn:
 
 
 def draw(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> Drawn:
-    """Each row's token on the logits' device, without waiting for the device (`Drawn.chosen` waits): greedy rows
+    """Each row's token on the logits' device, without waiting for the device (`chosen` waits): greedy rows
     by argmax, the sampled rows together (temperature, top-k and top-p as per-row tensors over one sort), a seeded
     row from its own generator."""
     tokens = greedy_tokens(logits, seqs, eos_ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import csv
+import math
 import multiprocessing
 import socket
 import sys
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 import triton
 
 from backends.llm.fp8 import quantize_tokens
-from backends.llm.fp8_gemm import GemmConfig, default_config, fp8_weight_matmul
+from backends.llm.fp8_gemm import GemmConfig, default_config, fp8_weight_matmul, swapped
 from perf.gemv_sweep import SHAPES, error, graph_time_us, weights
 from perf.report import hardware_line, stem, write_table
 
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         xq, x_scale = quantize(x, None)
         return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
 
+    def w8a8_kernel(x, w, scale, config):  # the same quantization, then our GEMM on FP8 inputs
+        xq, x_scale = quantize(x, None)
+        return fp8_weight_matmul(xq, w, scale, config=config, x_scale=x_scale, out_dtype=x.dtype)
+
     def widened(x, w, scale):  # fp8.Fp8Linear's path for long weights-only steps
         return (F.linear(x, w.to(x.dtype)).float() * scale.view(-1)).to(x.dtype)
 
@@ -124,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             bf16_us = graph_time_us(lambda w: F.linear(x, w[0]), bf16)
             w8a8_us = graph_time_us(lambda w: scaled_mm(x, *w), copies)
             widened_us = graph_time_us(lambda w: widened(x, *w), copies)
-            rows.append([name, f"{n}x{k}", m, f"{bf16_us:.1f}", f"{w8a8_us:.1f}", f"{widened_us:.1f}",
+            kernel_w8a8 = []
+            for c in (jobs[name, m][0], swapped(jobs[name, m][0])):  # checked against cuBLAS' W8A8 first
+                e = error(w8a8_kernel(x, *copies[0], c), scaled_mm(x, *copies[0]).double())
+                kernel_w8a8.append(graph_time_us(lambda w: w8a8_kernel(x, *w, c), copies) if e < 1e-2 else math.nan)
+            rows.append([name, f"{n}x{k}", m, f"{bf16_us:.1f}", f"{w8a8_us:.1f}",
+                         *(f"{us:.1f}" for us in kernel_w8a8), f"{widened_us:.1f}",
                          f"{default_us:.1f}", label(jobs[name, m][0]), f"{best_us:.1f}", label(best),
                          f"{n * k / default_us / 1e3:.0f}", f"{bf16_us / default_us:.2f}"])
             print(*rows[-1], sep=" | ", flush=True)
@@ -135,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         csv.writer(f).writerows([["layer", "rows", "config", "us", "GB/s"], *all_rows])
     notes = ["Times: median of 20 replays of a CUDA graph calling the layer once per weight copy (>= 256 MiB of FP8 "
              "weights, so L2 holds none), per call. GB/s: FP8 weight bytes per second of the kernel's default.",
-             "w8a8: the input quantized per token (one torch.compile'd kernel) and cuBLAS' FP8 GEMM; widened: each "
+             "w8a8: the input quantized per token (one torch.compile'd kernel) and cuBLAS' FP8 GEMM; w8a8 kernel: the "
+             "same quantization, then backends/llm/fp8_gemm.py on the E4M3 inputs with their row scales (FP8 tensor "
+             "cores), its default configuration and that configuration swapped; widened: each "
              "E4M3 weight converted to bf16, F.linear, the per-channel scale after (the engine's weights-only path "
              "before fp8_gemm.py); kernel: backends/llm/fp8_gemm.py, config BLOCK_M/BLOCK_N/BLOCK_K/SPLIT_K/warps/"
              "stages[/swap: the transposed product, weights as the MMA's first operand], its default "
@@ -143,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
              f"(rows {', '.join(map(str, args.sweep_rows))}).",
              f"All configurations: {base.name}.csv. Command: `python -m perf.fp8_gemm_sweep`."]
     path = write_table(args.results / args.host, "fp8-gemm-sweep",
-                       ["layer", "N x K", "rows", "bf16 us", "w8a8 us", "w8a16 widened us", "w8a16 kernel us",
+                       ["layer", "N x K", "rows", "bf16 us", "w8a8 us", "w8a8 kernel us", "w8a8 kernel swapped us",
+                        "w8a16 widened us", "w8a16 kernel us",
                         "kernel config", "best us", "best config", "kernel GB/s", "bf16 / kernel"], rows,
                        hardware_line("n/a (in-process)"), notes)
     print(path.read_text())

@@ -21,21 +21,23 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from backends.llm.fp8_gemm import GemmConfig, _fp8_weight_gemm_kernel, default_config
+from backends.llm.fp8_gemm import GemmConfig, _fp8_weight_gemm_kernel, default_config, swapped
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
-             "M": "i32", "N": "i32", "K": "i32", "HAS_BIAS": "constexpr", "IEEE": "constexpr", "SPLIT_K": "constexpr",
-             "ITERS": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-             "STAGES": "constexpr", "SWAP": "constexpr"}
-DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "N", "K")
+             "M": "i32", "N": "i32", "K": "i32", "x_scale_ptr": "*fp32", "HAS_BIAS": "constexpr", "IEEE": "constexpr",
+             "SPLIT_K": "constexpr", "ITERS": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+             "BLOCK_K": "constexpr", "STAGES": "constexpr", "SWAP": "constexpr", "X_SCALED": "constexpr"}
+DIVISIBLE = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "x_scale_ptr", "N", "K")
 
 
-def inspect_config(c: GemmConfig, capability: int = 90) -> dict[str, object]:
-    """The compiled kernel's instruction mix and resources for configuration `c` (bf16 inputs, no bias)."""
+def inspect_config(c: GemmConfig, capability: int = 90, w8a8: bool = False) -> dict[str, object]:
+    """The compiled kernel's instruction mix and resources for configuration `c` (bf16 inputs, or E4M3 ones with
+    row scales: `w8a8`; no bias)."""
     names = list(SIGNATURE)
-    source = ASTSource(_fp8_weight_gemm_kernel, SIGNATURE, constexprs=dict(
+    source = ASTSource(_fp8_weight_gemm_kernel, SIGNATURE | ({"x_ptr": "*fp8e4nv"} if w8a8 else {}), constexprs=dict(
         HAS_BIAS=False, IEEE=False, SPLIT_K=c.split_k, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        STAGES=c.stages, SWAP=c.swap), attrs={(names.index(a),): [["tt.divisibility", 16]] for a in DIVISIBLE})
+        STAGES=c.stages, SWAP=c.swap, X_SCALED=w8a8),
+        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in DIVISIBLE})
     kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                             options={"num_warps": c.warps, "num_stages": c.stages})
     ptx = kernel.asm["ptx"]
@@ -46,7 +48,8 @@ def inspect_config(c: GemmConfig, capability: int = 90) -> dict[str, object]:
         report = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{capability}a", f.name, "-o", "/dev/null"],
                                 capture_output=True, text=True, check=True).stderr
     registers = re.search(r"Used (\d+) registers", report)
-    return {"mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
+    mma = re.search(r"wgmma\.mma_async[.a-z0-9]*", ptx) or re.search(r"mma\.sync[.a-z0-9]*", ptx)
+    return {"mma": mma.group(0) if mma else "none",
             "cp.async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
             "global loads": dict(Counter(re.findall(r"ld\.global[.a-z0-9]*", ptx))),
             "registers": int(registers.group(1)) if registers else None,
@@ -59,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.kernel_asm", description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--shape", type=int, nargs=2, default=[6144, 4096], metavar=("N", "K"))
+    parser.add_argument("--w8a8", action="store_true", help="E4M3 inputs with row scales (default: bf16 inputs)")
     args = parser.parse_args(argv)
     for m in args.rows:
         c = default_config(m, *args.shape)
-        for config in (c, GemmConfig(c.block_m, max(c.block_n, 16 * c.warps), c.block_k, c.split_k, c.warps, c.stages,
-                                     swap=True)):
-            print(f"rows {m}: {config}: {inspect_config(config)}", flush=True)
+        for config in (c, swapped(c)):
+            print(f"rows {m}: {config}: {inspect_config(config, w8a8=args.w8a8)}", flush=True)
     return 0
 
 

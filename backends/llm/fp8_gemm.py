@@ -19,9 +19,15 @@ any machine), Triton 3.6 does so: swapped, the product is a wgmma with the weigh
 widened tile is stored to shared memory first, and with fewer than 64 rows a block it runs on mma.sync (Ampere's
 instruction) instead of wgmma. Whether that is faster is for perf.fp8_gemm_sweep to show on the GPU; until then no
 default configuration swaps.
+
+The inputs may be E4M3 too, with a scale per row (W8A8, x quantized per token as fp8.quantize_tokens does): nothing
+is widened then, the product is a wgmma on E4M3 operands (kernel_asm; swapped from 16 rows on, unswapped from 64),
+and both scales apply to the fp32 sum. perf.fp8_gemm_sweep times it beside cuBLAS' `torch._scaled_mm`, which the
+engine's W8A8 steps run until the sweep says otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -54,10 +60,10 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
+def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, x_scale_ptr,
                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, ITERS,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            STAGES: tl.constexpr, SWAP: tl.constexpr):
+                            STAGES: tl.constexpr, SWAP: tl.constexpr, X_SCALED: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks side by side: one
     # weight tile is read from memory once for all of them (L2 serves the others)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,7 +76,7 @@ def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
         in_k = k[None, :] < K - i * BLOCK_K
         x = tl.load(x_tile, mask=(rows[:, None] < M) & in_k, other=0.0)
         w = tl.load(w_tile, mask=(cols[:, None] < N) & in_k, other=0.0)
-        w = w.to(x.dtype)
+        w = w.to(x.dtype)  # (E4M3 inputs: nothing to widen, the product runs in FP8)
         if SWAP:
             acc = _mma(w, tl.trans(x), acc, IEEE)
         else:
@@ -82,6 +88,8 @@ def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
         acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        if X_SCALED:
+            acc = acc * tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -90,9 +98,9 @@ def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
 
 
 def _widens(dtype: torch.dtype) -> bool:
-    """Whether the products run in fp32: for fp32 inputs, and for bf16 ones in Triton's CPU interpreter, whose bf16
-    dot returns garbage (products of bf16 values are exact in fp32, as on the tensor cores)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether the products run in fp32: for fp32 inputs, and for bf16 and E4M3 ones in Triton's CPU interpreter,
+    whose bf16 dot returns garbage (products of bf16 or E4M3 values are exact in fp32, as on the tensor cores)."""
+    return dtype == torch.float32 or (dtype in (torch.bfloat16, FP8) and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def default_config(m: int, n: int, k: int) -> GemmConfig:
@@ -106,28 +114,41 @@ def default_config(m: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(128, 64, 64, 1, warps=8, stages=3)
 
 
+def swapped(c: GemmConfig) -> GemmConfig:
+    """`c` computing the transposed product, its column block at least 64 per warp group (wgmma's M)."""
+    return dataclasses.replace(c, block_n=max(c.block_n, 16 * c.warps), swap=True)
+
+
 def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, config: GemmConfig | None = None,
+                      x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """(x W^T) * weight_scale (+ bias) in x's dtype, for x [M, K] (bf16, fp16 or fp32) and weight [N, K] in E4M3 with
-    per-channel scales [N, 1] (a per-tensor scale repeated)."""
+    per-channel scales [N, 1] (a per-tensor scale repeated). x may be E4M3 too, with per-row scales `x_scale` [M, 1]
+    (W8A8): the product then runs on FP8 tensor cores, times both scales, in `out_dtype`."""
     (n, k), m = weight.shape, x.shape[0]
-    if weight.dtype != FP8 or x.shape[-1] != k or x.dtype not in DTYPES or \
+    quantized = x.dtype == FP8 and x_scale is not None and x_scale.numel() == m and out_dtype in DTYPES
+    if weight.dtype != FP8 or x.shape[-1] != k or not (x.dtype in DTYPES or quantized) or \
             weight_scale.numel() != n:
         raise ValueError(f"fp8_weight_matmul: input {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                         f"{weight.dtype}, scale {tuple(weight_scale.shape)}")
+                         f"{weight.dtype}, scale {tuple(weight_scale.shape)}, input scale "
+                         f"{None if x_scale is None else tuple(x_scale.shape)}, output {out_dtype}")
+    out_dtype = out_dtype if quantized else x.dtype
     c = config or default_config(m, n, k)
     iters = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
     split_k = triton.cdiv(triton.cdiv(k, c.block_k), iters)  # no program without work
     x = x.contiguous()
     scale = weight_scale.reshape(n).float()
-    out = torch.empty((split_k, m, n) if split_k > 1 else (m, n), dtype=torch.float32 if split_k > 1 else x.dtype,
+    out = torch.empty((split_k, m, n) if split_k > 1 else (m, n), dtype=torch.float32 if split_k > 1 else out_dtype,
                       device=x.device)
+    rows_scale = x_scale.reshape(m).float() if quantized else scale
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split_k)
-    _fp8_weight_gemm_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k,
+    _fp8_weight_gemm_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k, rows_scale,
                                   HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k, ITERS=iters,
                                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
-                                  SWAP=c.swap, num_warps=c.warps)
+                                  SWAP=c.swap, X_SCALED=quantized, num_warps=c.warps)
     if split_k == 1:
         return out
     out = out.sum(0) * scale
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    if quantized:
+        out = out * rows_scale[:, None]
+    return (out if bias is None else out + bias.float()).to(out_dtype)

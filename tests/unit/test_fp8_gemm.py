@@ -54,6 +54,21 @@ def test_16_bit_inputs_are_rounded_once_at_the_end(dtype, swap):
     assert ((out.double() - ref).abs() <= tolerance * ref.abs() + 1e-2).all()
 
 
+@pytest.mark.parametrize("config", [GemmConfig(16, 32, 32, 1), GemmConfig(16, 64, 32, 3, swap=True)])
+def test_fp8_inputs_with_row_scales_multiply_in_fp8(config):
+    """W8A8: inputs quantized per token (fp8.quantize_tokens), both scales applied to the fp32 sum, then the bias."""
+    from backends.llm.fp8 import quantize_tokens
+
+    x, weight, scale, bias = operands(9, 50, 200, torch.float32)
+    xq, x_scale = quantize_tokens(x, None)
+    for b in (None, bias):
+        out = fp8_weight_matmul(xq, weight, scale, b, config, x_scale=x_scale, out_dtype=torch.float32)
+        ref = reference(xq.double() * x_scale.double(), weight, scale, b)
+        assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="input scale"):
+        fp8_weight_matmul(xq, weight, scale, config=config, out_dtype=torch.float32)  # no scales for the rows
+
+
 def test_default_configs_cover_the_rows():
     for m in (1, 16, 17, 33, 64, 65, 256):
         c = default_config(m, 4096, 4096)

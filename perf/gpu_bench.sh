@@ -33,6 +33,8 @@
 #   "fp8-engine": the FP8 GEMM and FP8 tests, then the engine on Llama-3-8B shapes in bf16, FP8 weights only (the
 #   default) and FP8 with per-token activations, one run (perf.llm_engine --variants);
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
+#   "fp8-rows": the FP8 GEMM tests, then the engine on Llama-3-8B shapes in bf16, weights-only FP8 with the GEMM's
+#   configurations as they are and swapped, and W8A8 through that GEMM on FP8 inputs (perf.llm_engine --variants);
 #   "overlap": the engine on Llama-3-8B shapes in bf16 and weights-only FP8, each without and with overlap_steps (the
 #   next step launched before this one's text is decoded), one run, and their decode steps of 1 and 64 sequences
 #   under torch.profiler, kernel time by kind (perf.llm_engine --variants --profile-rows);
@@ -235,6 +237,12 @@ if [[ " ${SCENARIOS:-images} " == *" overlap "* ]]; then  # the next step launch
   "$py" -m perf.llm_engine --random-init llama-3-8b \
     --variants bf16:paged:gemv,bf16:paged:gemv:overlap,fp8w:paged:gemv,fp8w:paged:gemv:overlap --profile-rows 1 64 \
     --scenario llm-engine-overlap --results "$results" --host "${HOST:-gpu}"
+fi
+if [[ " ${SCENARIOS:-images} " == *" fp8-rows "* ]]; then  # FP8 GEMMs of 2-256 rows: swapped, FP8 inputs
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_fp8.py -k "not llm_compressor"
+  "$py" -m perf.llm_engine --random-init llama-3-8b \
+    --variants bf16:paged:gemv,fp8w:paged:gemv,fp8w:paged:gemv:swap,fp8:paged:gemv:w8a8gemm+swap \
+    --scenario llm-engine-fp8-rows --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" gemv-fp8w "* ]]; then
   "$py" -m perf.gemv_sweep --dtypes bf16 fp8w --layers qkv_proj o_proj gate_up_proj down_proj \

@@ -9,7 +9,7 @@ Output lengths are forced (min_tokens = max_tokens, transformers' min_new_tokens
 count. Weights: a local checkpoint, the tiny one, or a real-size random init (`--random-init llama-3-8b`).
 
 `--variants bf16:paged:library,bf16:paged,fp8:paged` compares instead engines on the same weights with each other, one
-after the other in the same run: PRECISION:ATTENTION[:LINEAR[:overlap]] (overlap: `overlap_steps` on), bf16 or
+after the other in the same run: PRECISION:ATTENTION[:LINEAR[:OPTION+...]] (OPTIONS below), bf16 or
 quantized to FP8 E4M3 (per-channel weights; `fp8`: per-token activations, `fp8w`: weights only, activations in bf16;
 backends/llm/fp8.py), decode attention by the paged Triton kernel or gather + SDPA, one-token linear layers by the
 GEMV kernels of backends/llm/gemv.py (default) or the library (cuBLAS); decode tokens/s at batch 1, the concurrent
@@ -30,6 +30,7 @@ import torch
 
 from backends.core.devices import DTYPES
 from backends.llm.engine import EngineConfig, EngineStats, LLMEngine
+from backends.llm import fp8, fp8_gemm
 from backends.llm.fp8 import Fp8Scheme
 from backends.llm.model import checkpoint_tensors
 from backends.llm.sampling import SamplingParams
@@ -38,6 +39,9 @@ from build_engines.quantize import quantized_tensors, write_fp8_metadata
 from perf.report import hardware_line, write_table
 from perf.step_profile import describe, profile_decode
 
+OPTIONS = {"overlap",  # overlap_steps on
+           "swap",  # FP8 GEMMs of 2+ rows swapped (fp8_gemm.SWAP_FROM_ROWS)
+           "w8a8gemm"}  # W8A8 steps of 2-256 rows by fp8_gemm.py on FP8 inputs, not cuBLAS (fp8.W8A8_GEMM_MAX_ROWS)
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                   rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
@@ -170,12 +174,15 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
     found: list[dict[str, float]] = []
     notes = []
     labels = [" ".join(v) for v in variants]
-    for (precision, attention, linear, *overlap), label in zip(variants, labels):
+    for (precision, attention, linear, *options), label in zip(variants, labels):
+        options = set(options[0].split("+")) if options else set()
+        fp8_gemm.SWAP_FROM_ROWS = 2 if "swap" in options else None  # (read as the engine's graphs are captured)
+        fp8.W8A8_GEMM_MAX_ROWS = fp8.FP8_GEMM_MAX_ROWS if "w8a8gemm" in options else 0
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
                               compile_kernels=args.compile_kernels, decode_attention=attention,
-                              decode_linear=linear, overlap_steps=bool(overlap))
+                              decode_linear=linear, overlap_steps="overlap" in options)
         if precision == "bf16":
             engine = LLMEngine(checkpoint, config, weights)
         else:  # quantized on the device as the engine loads them (part of its ready time)
@@ -266,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = [tuple((v + ":gemv").split(":")[:3]) if v.count(":") == 1 else tuple(v.split(":"))
                     for v in (args.variants or "bf16:paged,fp8:paged").split(",")]
         if any(len(v) not in (3, 4) or v[0] not in ("bf16", "fp8", "fp8w") or v[1] not in ("paged", "gather")
-               or v[2] not in ("gemv", "library") or v[3:] not in ((), ("overlap",)) for v in variants):
-            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION[:LINEAR[:overlap]] with bf16|fp8|fp8w, "
-                         "paged|gather, gemv|library, and overlap for overlap_steps")
+               or v[2] not in ("gemv", "library") or not set("+".join(v[3:]).split("+")) <= OPTIONS | {""}
+               for v in variants):
+            parser.error(f"--variants {args.variants}: PRECISION:ATTENTION[:LINEAR[:OPTION+...]] with bf16|fp8|fp8w, "
+                         f"paged|gather, gemv|library, and options of {sorted(OPTIONS)}")
         columns, rows, notes = compare_engines(args, device, bandwidth, variants)
         model = "random init llama-3-8b shapes" if args.random_init else args.checkpoint or "the tiny checkpoint"
         notes.insert(0, f"Model: {model}. Device copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s.")

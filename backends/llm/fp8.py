@@ -122,6 +122,8 @@ def scaled_mm_available(device: torch.device) -> bool:
 
 
 FP8_GEMM_MAX_ROWS = 256  # weights-only steps of up to this many rows run backends/llm/fp8_gemm.py on a GPU
+W8A8_GEMM_MAX_ROWS = 0  # W8A8 steps of up to this many rows run it too, on FP8 inputs (0: cuBLAS' _scaled_mm; for
+# perf.llm_engine's `w8a8gemm` variants until perf.fp8_gemm_sweep has measured it on the GPU)
 
 
 @functools.cache
@@ -156,6 +158,11 @@ class Fp8Linear(nn.Module):
             from backends.llm.fp8_gemm import fp8_weight_matmul  # weights only: our GEMM reads them as E4M3
 
             return fp8_weight_matmul(x, self.weight, self.weight_scale, self.bias)
+        if x_scale is not None and x.shape[0] <= W8A8_GEMM_MAX_ROWS and fp8_gemm_runs_on(x.device):
+            from backends.llm.fp8_gemm import fp8_weight_matmul
+
+            return fp8_weight_matmul(xq, self.weight, self.weight_scale, self.bias, x_scale=x_scale,
+                                     out_dtype=x.dtype)
         if x_scale is None and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
             # weights only, a long step (bound by arithmetic): E4M3 values are exact in x's dtype, so cuBLAS
             # multiplies them as they are; scale after

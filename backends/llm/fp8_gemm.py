@@ -103,7 +103,16 @@ def _widens(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype in (torch.bfloat16, FP8) and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+SWAP_FROM_ROWS: int | None = None  # default configurations swap at this many rows and more (None: never; for
+# perf.llm_engine's `swap` variants until perf.fp8_gemm_sweep has measured it on the GPU)
+
+
 def default_config(m: int, n: int, k: int) -> GemmConfig:
+    c = _unswapped_config(m)
+    return swapped(c) if SWAP_FROM_ROWS is not None and m >= SWAP_FROM_ROWS else c
+
+
+def _unswapped_config(m: int) -> GemmConfig:
     """Blocks for x [m, k] times weight [n, k], from perf.fp8_gemm_sweep on the H200 (Llama-3-8B's projections,
     2026-12-02: the configuration with the least time summed over the four at 4, 16, 64 and 256 rows): narrow column
     blocks and long K tiles up to 16 rows, four K spans per column block up to 64, wide row blocks above."""

@@ -62,9 +62,14 @@ def test_fp8_linear_computes_the_product_of_its_quantized_operands(static):
                     reason="needs an FP8 GPU (perf/gpu_bench.sh runs it)")
 @pytest.mark.parametrize("rows,static,bias,shape", [(1, False, False, (336, 1024)), (3, True, True, (336, 1024)),
                                                     (64, False, True, (336, 1024)), (2, True, False, (333, 1000))])
-def test_fp8_linear_on_the_gpu_computes_its_quantized_operands_product(rows, static, bias, shape):
-    """cuBLAS' FP8 GEMM (both dimensions multiples of 16) and the fallback, against the float product of the
-    quantized operands. (One-token steps run gemv.py instead: tests/unit/test_gemv.py.)"""
+@pytest.mark.parametrize("ours", [False, True])
+def test_fp8_linear_on_the_gpu_computes_its_quantized_operands_product(rows, static, bias, shape, ours, monkeypatch):
+    """cuBLAS' FP8 GEMM (both dimensions multiples of 16) and the fallback, or (`ours`) fp8_gemm.py on the FP8
+    inputs, against the float product of the quantized operands. (One-token steps run gemv.py instead:
+    tests/unit/test_gemv.py.)"""
+    import backends.llm.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "W8A8_GEMM_MAX_ROWS", fp8.FP8_GEMM_MAX_ROWS if ours else 0)
     torch.manual_seed(rows)
     n, k = shape
     layer = Fp8Linear(k, n, bias=bias, activations="tensor" if static else "token").cuda()

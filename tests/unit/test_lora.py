@@ -88,9 +88,10 @@ def make_engine(base, root, **overrides) -> LLMEngine:
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # on a GPU: decode steps replay CUDA graphs
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_each_row_of_a_mixed_batch_equals_peft_with_its_adapter(base, root, peft_greedy, device):
-    engine = make_engine(base, root, device=device)
+@pytest.mark.parametrize("device,overlap", [(device, False) for device in DEVICES] + [(DEVICES[-1], True)])
+def test_each_row_of_a_mixed_batch_equals_peft_with_its_adapter(base, root, peft_greedy, device, overlap):
+    """(`overlap`: decode steps launched ahead of their tokens keep each row's adapters.)"""
+    engine = make_engine(base, root, device=device, overlap_steps=overlap)
     router = load_router(root, engine.model.args)
     rows = []  # (prompt, lora_id, what peft applies)
     for i, prompt in enumerate(PROMPTS):

@@ -107,6 +107,7 @@ class Launched:
     started: float
     done: list[int] = field(default_factory=list)  # the sequences that get a token (not prompt chunks)
     decoding: int = 0  # sequences adding their newest token
+    lower: bool = False  # it started lower-class prompts beside a higher class (the QoS share, Scheduler.yielded)
     prompt_tokens: int = 0  # prompt tokens it computes
     logits: torch.Tensor | None = None
     tokens: list[list[int] | Exception] | None = None
@@ -372,12 +373,16 @@ class LLMEngine:
 
     def _can_follow(self, launched: Launched) -> bool:
         """Whether the next step can go before `launched`'s tokens are on the host: it is a decode step of every
-        running sequence and no prompt waits, so the next step decodes the same sequences one token further,
-        whatever their tokens are (those not at their last token)."""
-        seqs = launched.seqs
-        return (self.config.overlap_steps and self.proposer is None and launched.logits is not None
+        running sequence, so the next step either decodes the same sequences one token further, whatever their
+        tokens are (those not at their last token), or prefills waiting prompts, none of which could ride a decode
+        step instead (it would have a step of its own anyway)."""
+        seqs, config = launched.seqs, self.config
+        waiting = not self.scheduler.waiting or (
+            config.chunk_tokens is None and not config.qos_lower_rides
+            and all(s.num_tokens - s.num_cached > config.prompt_rows for s in self.scheduler.waiting))
+        return (config.overlap_steps and self.proposer is None and launched.logits is not None
                 and launched.error is None and not launched.is_prefill and launched.decoding == len(seqs)
-                and not self.scheduler.waiting and set(self.scheduler.running) == {s for s in seqs if not s.finished}
+                and waiting and set(self.scheduler.running) == {s for s in seqs if not s.finished}
                 and any(len(s.output_ids) + 1 < s.sampling.max_tokens for s in seqs))
 
     def _launch(self, after: Launched | None = None) -> Launched:
@@ -396,7 +401,7 @@ class LLMEngine:
                     seq.placeholder = True
         expired = self._expire()
         seqs, is_prefill = self.scheduler.schedule()
-        launched = Launched(seqs, is_prefill, expired, time.monotonic())
+        launched = Launched(seqs, is_prefill, expired, time.monotonic(), lower=self.scheduler.lower_step)
         if not seqs:
             return launched
         # a sequence whose step ends before its last token (a prompt chunk) gets no token this step
@@ -411,6 +416,8 @@ class LLMEngine:
             elif is_prefill:
                 launched.logits = self.runner.prefill(seqs)
             elif launched.decoding < len(seqs):  # prompts (or chunks of them) rode the decode step: their last rows
+                if after is not None:  # (`_can_follow` leaves no prompt that could)
+                    raise RuntimeError("a step launched ahead has prompt rows beside tokens not yet known")
                 rows = [s.step_tokens for s in seqs]
                 launched.logits = self.runner.decode(seqs, rows=rows)[[r - 1 for r in itertools.accumulate(rows)]]
             else:
@@ -462,7 +469,7 @@ class LLMEngine:
         now = time.monotonic()  # sampling has brought the tokens to the host: it is over
         seconds = now - max(launched.started, self.completed_at)  # (launched ahead: it ran from the last one's end)
         self.completed_at = now
-        self.scheduler.yielded(seconds)
+        self.scheduler.yielded(seconds, launched.lower)
         self.stats.prefill_tokens += launched.prompt_tokens
         if launched.is_prefill:
             self.stats.prefill_steps += 1

@@ -32,6 +32,7 @@ from backends.llm.attention import AttentionMetadata, decode_kernel
 from backends.llm.kv_cache import SCRATCH_BLOCK, BlockManager
 from backends.llm.lora import MIXED, LoraSlots, LoraStep, plan_tiles
 from backends.llm.model import DecoderModel
+from backends.llm.sampling import to_device
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class ModelRunner:
             self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     def block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)

@@ -132,10 +132,11 @@ class Scheduler:
             chosen.append(seq)
         return chosen
 
-    def yielded(self, seconds: float) -> None:
-        """The engine ran the step scheduled last in `seconds`: when it started lower-class prompts beside a higher
-        class, the next such step waits until the lower classes' time is back within their share."""
-        if self.lower_step:
+    def yielded(self, seconds: float, lower_step: bool) -> None:
+        """The engine ran a step in `seconds`: when it started lower-class prompts beside a higher class
+        (`lower_step` as its scheduling left it), the next such step waits until the lower classes' time is back
+        within their share."""
+        if lower_step:
             self.lower.spent(seconds, time.monotonic())
 
     def _make_room(self, seq: Sequence, chosen: list[Sequence]) -> bool:

@@ -181,6 +181,25 @@ def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint
     assert ended[0] == ended[1] and any(len(o) < n for o, n in zip(ended[1], lengths))
     drawn = [run(engine, (), lambda n: 0, temperature=0.9, top_p=0.95) for engine in engines]  # seeded sampling
     assert drawn[0] == drawn[1] != plain
+    # prompts that arrive while sequences decode (too long to ride a decode step: prompt_rows 0) prefill in a step
+    # launched ahead of the running ones' tokens
+    engine = make_engine(checkpoint, overlap_steps=True, prompt_rows=0)
+    launch, prefills = engine._launch, []
+
+    def counted(after=None):
+        step = launch(after)
+        prefills.append(after is not None and step.is_prefill)
+        return step
+
+    engine._launch = counted
+    seqs = [engine.add(p, SamplingParams(max_tokens=10)) for p in PROMPTS[:2]]
+    for prompt in PROMPTS[2:6]:
+        engine.step()
+        engine.step()
+        seqs.append(engine.add(prompt, SamplingParams(max_tokens=10)))
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in seqs] == [reference(p, 10) for p in PROMPTS[:6]] and any(prefills)
     # a step launched ahead preempts a sequence whose token is still on its way: that token joins it all the same
     engine = make_engine(checkpoint, block_size=4, kv_cache_blocks=12, overlap_steps=True)
     preempt, in_flight = engine.scheduler.preempt, []

@@ -236,11 +236,12 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
 
 
 def variant(spec: str) -> tuple[str, list[str]]:
-    """'NAME=FLAGS' -> (NAME, the flags split as a shell would)."""
+    """'NAME=FLAGS' -> (NAME, the flags split as a shell would, and at a '+' before '--', so that a variant of several
+    flags needs no spaces: 'rides=--qos-lower-rides=true+--prompt-rows=64')."""
     name, _, flags = spec.partition("=")
     if not re.fullmatch(r"[A-Za-z0-9_]+", name) or not flags.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=FLAGS with NAME of letters, digits and _; got {spec!r}")
-    return name, shlex.split(flags)
+    return name, [flag for part in re.split(r"\+(?=--)", flags) for flag in shlex.split(part)]
 
 
 def main(argv: list[str] | None = None) -> int:

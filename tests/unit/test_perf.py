@@ -1,5 +1,6 @@
 """perf/: the CSV parser reads what perf_analyzer writes, the report writer produces table, plot and hardware line,
 the input data uses Triton's raw BYTES layout."""
+import argparse
 import base64
 import csv
 import json
@@ -235,3 +236,13 @@ def test_engine_comparison_profiles_decode_steps_by_kind(tmp_path):
     table = next((tmp_path / "t").glob("*-llm-engine.md")).read_text()
     assert "decode steps of 4 rows under the profiler" in table
     assert "library GEMM (cuBLAS, CUTLASS)" in table and "attention, library (SDPA, flash)" in table  # by kind
+
+
+def test_qos_variants_are_named_flag_lists():
+    from perf.qos import variant
+
+    assert variant("rides=--qos-lower-rides=true+--prompt-rows=64") == ("rides", ["--qos-lower-rides=true",
+                                                                               "--prompt-rows=64"])
+    assert variant("q=--qos-max-queued high=1,low=2") == ("q", ["--qos-max-queued", "high=1,low=2"])
+    with pytest.raises(argparse.ArgumentTypeError):
+        variant("no flags=")

@@ -131,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             widened_us = graph_time_us(lambda w: widened(x, *w), copies)
             kernel_w8a8 = []
             for c in (jobs[name, m][0], swapped(jobs[name, m][0])):  # checked against cuBLAS' W8A8 first
-                e = error(w8a8_kernel(x, *copies[0], c), scaled_mm(x, *copies[0]).double())
-                kernel_w8a8.append(graph_time_us(lambda w: w8a8_kernel(x, *w, c), copies) if e < 1e-2 else math.nan)
+                try:
+                    e = error(w8a8_kernel(x, *copies[0], c), scaled_mm(x, *copies[0]).double())
+                    kernel_w8a8.append(graph_time_us(lambda w: w8a8_kernel(x, *w, c), copies) if e < 1e-2
+                                       else math.nan)
+                except Exception as exc:  # noqa: BLE001 - a column of its own; the sweep goes on
+                    print(f"{name} M={m} W8A8 kernel {label(c)}: {type(exc).__name__}: {exc}", flush=True)
+                    kernel_w8a8.append(math.nan)
             rows.append([name, f"{n}x{k}", m, f"{bf16_us:.1f}", f"{w8a8_us:.1f}",
                          *(f"{us:.1f}" for us in kernel_w8a8), f"{widened_us:.1f}",
                          f"{default_us:.1f}", label(jobs[name, m][0]), f"{best_us:.1f}", label(best),

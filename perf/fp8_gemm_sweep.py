@@ -57,7 +57,7 @@ def label(c: GemmConfig) -> str:
 
 def _compile(job: tuple[str, int, list[GemmConfig]]) -> list[GemmConfig]:
     """Worker: run each configuration once (compiles it into Triton's disk cache); those that do not fit the GPU
-    (shared memory, registers) are returned."""
+    (shared memory, registers) or do not compile are returned."""
     name, m, configs = job
     n, k = SHAPES[name]
     (w, scale), = weights(n, k, True, 1)
@@ -67,6 +67,9 @@ def _compile(job: tuple[str, int, list[GemmConfig]]) -> list[GemmConfig]:
         try:
             fp8_weight_matmul(x, w, scale, config=c)
         except triton.runtime.errors.OutOfResources:
+            unfit.append(c)
+        except Exception as e:  # noqa: BLE001 - e.g. a swapped configuration this Triton cannot compile
+            print(f"{name} M={m} {label(c)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             unfit.append(c)
     torch.cuda.synchronize()
     return unfit
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         unfit = {c for found in pool.map(_compile, [j for j in chunked if j[2]]) for c in found}
     jobs = {key: [c for c in configs if c not in unfit] for key, configs in jobs.items()}
-    print(f"compiled {sum(map(len, jobs.values()))} kernels ({len(unfit)} did not fit)", flush=True)
+    print(f"compiled {sum(map(len, jobs.values()))} kernels ({len(unfit)} did not fit or compile)", flush=True)
     quantize = torch.compile(quantize_tokens, dynamic=True)  # as the engine's Kernels.compiled() has it
 
     def scaled_mm(x, w, scale):

@@ -235,7 +235,8 @@ if [[ " ${SCENARIOS:-images} " == *" overlap "* ]]; then  # the next step launch
   # what to know, not a gate for the measurement: whether launching a step ahead waits for the device anywhere
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llm_engine.py -k "never_waits" || echo "== it waits (above)"
   "$py" -m perf.llm_engine --random-init llama-3-8b \
-    --variants bf16:paged:gemv,bf16:paged:gemv:overlap,fp8w:paged:gemv,fp8w:paged:gemv:overlap --profile-rows 1 64 \
+    --variants "${OVERLAP_VARIANTS:-bf16:paged:gemv,bf16:paged:gemv:overlap,fp8w:paged:gemv,fp8w:paged:gemv:overlap}" \
+    --profile-rows 1 64 \
     --scenario llm-engine-overlap --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" fp8-rows "* ]]; then  # FP8 GEMMs of 2-256 rows: swapped, FP8 inputs

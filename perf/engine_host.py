@@ -4,8 +4,9 @@ On a GPU the host's work between decode steps (scheduling, sampling's bookkeepin
 detokenisation, prefix-cache keys) adds to every step unless it overlaps the GPU's; on the H200 it was 2.5 ms a step
 with 64 sequences (perf/results/h200/README.md, 2026-12-04). Here the model's forward is a lookup in a fixed table
 (the next token's logits by the current token, so the text varies) while the runner still prepares each step's
-inputs, so what is timed is that host work alone, on any machine. Variants, one run: detokenising through `tokenizer.decode` against the fast tokenizer's backend directly
-(backends/llm/detokenizer.text_of, the engine's way).
+inputs, so what is timed is that host work alone, on any machine. Variants, one run: detokenising through
+`tokenizer.decode` against the fast tokenizer's backend directly (backends/llm/detokenizer.text_of, the engine's
+way).
 """
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 Triton compiles for a target without a GPU (its ptxas ships with it), so the code a configuration becomes can be read
 where no H200 is lent: which tensor-core instruction its product runs on (wgmma, Hopper's, or mma.sync, Ampere's),
-whether its loads are pipelined through shared memory (cp.async) and how wide they are, its registers, spills and
-shared memory, and ptxas' performance warnings. Pointers and the sizes N and K are taken as 16-divisible, as Triton
-specializes them at launch for the engine's tensors. It says what runs, not how fast: timings come from
-perf.fp8_gemm_sweep on the GPU.
+whether its loads are pipelined through shared memory (cp.async) and how wide they are, whether it stores to shared
+memory itself (a widened tile on its way to the MMA), its registers, spills and shared memory, and ptxas' performance
+warnings. Pointers and the sizes N and K are taken as 16-divisible, as Triton specializes them at launch for the
+engine's tensors. It says what runs, not how fast: timings come from perf.fp8_gemm_sweep on the GPU.
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def inspect_config(c: GemmConfig, capability: int = 90, w8a8: bool = False) -> d
     mma = re.search(r"wgmma\.mma_async[.a-z0-9]*", ptx) or re.search(r"mma\.sync[.a-z0-9]*", ptx)
     return {"mma": mma.group(0) if mma else "none",
             "cp.async": len(re.findall(r"cp\.async\.c[ag]", ptx)),
+            "shared stores": len(re.findall(r"st\.shared", ptx)),  # (a widened tile stored back before its MMA)
             "global loads": dict(Counter(re.findall(r"ld\.global[.a-z0-9]*", ptx))),
             "registers": int(registers.group(1)) if registers else None,
             "spills": "spill stores" in report and not re.search(r" 0 bytes spill stores", report),

@@ -174,10 +174,11 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
     found: list[dict[str, float]] = []
     notes = []
     labels = [" ".join(v) for v in variants]
+    defaults = fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS  # (variants change them; restored at the end)
     for (precision, attention, linear, *options), label in zip(variants, labels):
         options = set(options[0].split("+")) if options else set()
-        fp8_gemm.SWAP_FROM_ROWS = 2 if "swap" in options else None  # (read as the engine's graphs are captured)
-        fp8.W8A8_GEMM_MAX_ROWS = fp8.FP8_GEMM_MAX_ROWS if "w8a8gemm" in options else 0
+        fp8_gemm.SWAP_FROM_ROWS = 2 if "swap" in options else defaults[0]  # (read as the engine's graphs are captured)
+        fp8.W8A8_GEMM_MAX_ROWS = fp8.FP8_GEMM_MAX_ROWS if "w8a8gemm" in options else defaults[1]
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
@@ -224,6 +225,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS = defaults
     columns = ["measure", *labels, *(f"{label} / {labels[0]}" for label in labels[1:])]
 
     def row(measure: str, key: str, fmt: str) -> list[str]:

@@ -9,3 +9,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def resolve_device(name: str) -> torch.device:
     return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied asynchronously from pinned memory (a copy from pageable
+    memory may wait for the device's queue)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)

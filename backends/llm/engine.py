@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from backends.core.devices import DTYPES, resolve_device
+from backends.core.devices import DTYPES, resolve_device, to_device
 from backends.core.errors import InvalidInput
 from backends.core.params import bounded, choice, device
 from backends.core.qos import QosParams, QosPolicy, Ticket
@@ -33,7 +33,7 @@ from backends.llm.kv_cache import BlockManager, allocate_kv_cache, kv_bytes_per_
 from backends.llm.lora import LoraSlots
 from backends.llm.model import DecoderModel, load_model
 from backends.llm.runner import ModelRunner
-from backends.llm.sampling import Drawn, SamplingParams, chosen, draw, sample, to_device
+from backends.llm.sampling import Drawn, SamplingParams, chosen, draw, sample
 from backends.llm.scheduler import Scheduler
 from backends.llm.sequence import Sequence, Status
 from backends.llm.speculative import (Draft, DraftProposer, NgramProposer, mask_early_eos, next_length,
@@ -377,12 +377,12 @@ class LLMEngine:
         tokens are (those not at their last token), or prefills waiting prompts, none of which could ride a decode
         step instead (it would have a step of its own anyway)."""
         seqs, config = launched.seqs, self.config
-        waiting = not self.scheduler.waiting or (
+        none_would_ride = not self.scheduler.waiting or (
             config.chunk_tokens is None and not config.qos_lower_rides
             and all(s.num_tokens - s.num_cached > config.prompt_rows for s in self.scheduler.waiting))
         return (config.overlap_steps and self.proposer is None and launched.logits is not None
                 and launched.error is None and not launched.is_prefill and launched.decoding == len(seqs)
-                and waiting and set(self.scheduler.running) == {s for s in seqs if not s.finished}
+                and none_would_ride and set(self.scheduler.running) == {s for s in seqs if not s.finished}
                 and any(len(s.output_ids) + 1 < s.sampling.max_tokens for s in seqs))
 
     def _launch(self, after: Launched | None = None) -> Launched:

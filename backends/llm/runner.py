@@ -28,11 +28,11 @@ from typing import Callable
 
 import torch
 
+from backends.core.devices import to_device
 from backends.llm.attention import AttentionMetadata, decode_kernel
 from backends.llm.kv_cache import SCRATCH_BLOCK, BlockManager
 from backends.llm.lora import MIXED, LoraSlots, LoraStep, plan_tiles
 from backends.llm.model import DecoderModel
-from backends.llm.sampling import to_device
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backends.core.devices import to_device
 from backends.core.errors import InjectedFault
 
 if TYPE_CHECKING:
@@ -84,12 +85,6 @@ def greedy_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int
         logits[to_device(early, torch.int64, logits.device)[:, None], to_device(eos_ids, torch.int64, logits.device)] \
             = float("-inf")
     return logits.argmax(dim=-1)
-
-
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`, copied asynchronously (a copy from pageable memory may wait for the
-    device's queue)."""
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def sorted_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -226,7 +226,8 @@ class WhisperEngine:
                 event = self.join_stream.record_event() if self.join_stream else None
             self.encoded += len(clips)
             if lower:
-                self.lower.spent(time.monotonic() - now, time.monotonic())
+                end = time.monotonic()
+                self.lower.spent(end - now, end)
         except Exception as e:
             log.exception("whisper encoder failed on %d clips", len(clips))
             for clip in clips:

@@ -146,10 +146,10 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     iters = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
     split_k = triton.cdiv(triton.cdiv(k, c.block_k), iters)  # no program without work
     x = x.contiguous()
-    scale = weight_scale.reshape(n).float()
+    scale = weight_scale.reshape(n).float().contiguous()  # the kernel reads them densely, not through strides
     out = torch.empty((split_k, m, n) if split_k > 1 else (m, n), dtype=torch.float32 if split_k > 1 else out_dtype,
                       device=x.device)
-    rows_scale = x_scale.reshape(m).float() if quantized else scale
+    rows_scale = x_scale.reshape(m).float().contiguous() if quantized else scale  # a per-tensor scale expanded too
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split_k)
     _fp8_weight_gemm_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k, rows_scale,
                                   HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k, ITERS=iters,

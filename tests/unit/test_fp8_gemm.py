@@ -60,11 +60,14 @@ def test_fp8_inputs_with_row_scales_multiply_in_fp8(config):
     from backends.llm.fp8 import quantize_tokens
 
     x, weight, scale, bias = operands(9, 50, 200, torch.float32)
-    xq, x_scale = quantize_tokens(x, None)
-    for b in (None, bias):
+    # Hopper's FP8 tensor cores keep fewer bits than fp32 in their sums (wgmma); the interpreter's are exact
+    tolerance = 1e-3 if DEVICE == "cuda" else 1e-5
+    per_tensor = x.abs().amax().reshape(1, 1) / 448
+    for x_scale, b in ((None, None), (None, bias), (per_tensor.expand(9, 1), bias)):  # the last: a stride-0 view
+        xq, x_scale = quantize_tokens(x, x_scale)
         out = fp8_weight_matmul(xq, weight, scale, b, config, x_scale=x_scale, out_dtype=torch.float32)
         ref = reference(xq.double() * x_scale.double(), weight, scale, b)
-        assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
+        assert out.dtype == torch.float32 and torch.allclose(out.double(), ref, rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="input scale"):
         fp8_weight_matmul(xq, weight, scale, config=config, out_dtype=torch.float32)  # no scales for the rows
 

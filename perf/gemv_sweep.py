@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.llm.fp8 import quantize_tokens
-from backends.llm.gemv import _WORKSPACE, FP8, GemvConfig, default_config, gemv
+from backends.llm.gemv import WORKSPACE, FP8, GemvConfig, default_config, gemv
 from perf.fp8_layers import graph_time_us as graph_time_us_with_input
 from perf.report import hardware_line, stem, write_table
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             if not e < 1e-2:  # recorded, left out of the ranking; fresh split-K counters for the next one
                 print(f"{name} {row[1]} {c}: relative error {e:.2e}", flush=True)
                 all_rows.append(row + ["wrong", f"{e:.2e}"])
-                _WORKSPACE.buffers.clear()
+                WORKSPACE.buffers.clear()
                 continue
             us = graph_time_us(lambda w: gemv(x, *w, quantize_input=quantized, config=c), copies)
             timed.append((us, c))

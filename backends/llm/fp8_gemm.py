@@ -6,8 +6,8 @@ streams at a quarter of bf16's throughput). Here each program reads its [BLOCK_N
 widens them in registers (exact: every E4M3 value is a bf16/fp16 value) and multiplies them on the tensor cores with
 the rows' [BLOCK_M, BLOCK_K] input tiles, accumulating in fp32; the per-channel scale and the bias apply once, to
 the fp32 sum, and the output is rounded once. SPLIT_K > 1 cuts K among programs when N alone gives too few of them
-to keep the GPU's memory busy; their fp32 partial sums are added in a fixed order (`torch.sum`), so results do not
-depend on timing. perf.fp8_gemm_sweep measured the configurations: against bf16 cuBLAS on the same layers this is
+to keep the GPU's memory busy; the last of a tile's programs to finish (an atomic counter) adds their fp32 partial
+sums in a fixed order and finishes the tile, so results do not depend on timing and no kernel runs after. perf.fp8_gemm_sweep measured the configurations: against bf16 cuBLAS on the same layers this is
 1.15x faster up to 16 rows and slower above (0.7x at 64, 0.45x at 256: the widened tiles feed the tensor cores
 through registers), but 3-5x faster than widening every weight for cuBLAS.
 
@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.llm.gemv import WORKSPACE  # split-K's partial sums and counters
+
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the engine's GPU dtypes; fp32 for exact tests
 
@@ -60,7 +62,7 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, x_scale_ptr,
+def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, x_scale_ptr, partial_ptr, lock_ptr,
                             HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr, ITERS,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             STAGES: tl.constexpr, SWAP: tl.constexpr, X_SCALED: tl.constexpr):
@@ -86,15 +88,31 @@ def _fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K,
     if SWAP:
         acc = tl.trans(acc)
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if SPLIT_K == 1:
-        acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-        if X_SCALED:
-            acc = acc * tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:  # fp32 partial sums [SPLIT_K, M, N]; the caller adds them and finishes
-        tl.store(out_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
+    if SPLIT_K > 1:  # fp32 partial sums [SPLIT_K, M, N]; the last of the tile's programs adds them, in order
+        partials = partial_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(partials + pid_k * M * N, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter says so
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(partials + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock, 0)  # ready for the next call
+            _finish(acc, rows, cols, out_mask, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS, X_SCALED)
+    else:
+        _finish(acc, rows, cols, out_mask, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS, X_SCALED)
+
+
+@triton.jit
+def _finish(acc, rows, cols, out_mask, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr,
+            X_SCALED: tl.constexpr):
+    """The fp32 sum times the weights' (and the rows') scales, plus the bias, rounded once to the output's dtype."""
+    acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    if X_SCALED:
+        acc = acc * tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _widens(dtype: torch.dtype) -> bool:
@@ -108,19 +126,30 @@ SWAP_FROM_ROWS: int | None = None  # default configurations swap at this many ro
 
 
 def default_config(m: int, n: int, k: int) -> GemmConfig:
-    c = _unswapped_config(m)
+    c = _unswapped_config(m, n, k)
     return swapped(c) if SWAP_FROM_ROWS is not None and m >= SWAP_FROM_ROWS else c
 
 
-def _unswapped_config(m: int) -> GemmConfig:
+def _unswapped_config(m: int, n: int, k: int) -> GemmConfig:
     """Blocks for x [m, k] times weight [n, k], from perf.fp8_gemm_sweep on the H200 (Llama-3-8B's projections,
-    2026-12-02: the configuration with the least time summed over the four at 4, 16, 64 and 256 rows): narrow column
-    blocks and long K tiles up to 16 rows, four K spans per column block up to 64, wide row blocks above."""
+    2026-12-05, perf/results/h200/2026-12-05-fp8-gemm-sweep*): up to 16 rows narrow column blocks and long K tiles;
+    above, row blocks of 32, 64 or 128, and K split until there are about 384 programs (at most 8 spans). Summed
+    over the four projections that took 136 / 157 / 246 us at 32 / 64 / 128 rows where the fixed blocks before it
+    took 148 / 186 / 341 (the best configuration of each projection: 130 / 155 / 196)."""
     if m <= 16:
         return GemmConfig(16, 32, 256, 1, warps=4, stages=4)
-    if m <= 64:
-        return GemmConfig(32 if m <= 32 else 64, 64, 64, 4, warps=4, stages=4)
-    return GemmConfig(128, 64, 64, 1, warps=8, stages=3)
+    if m <= 32:
+        c = GemmConfig(32, 64, 128, 1, warps=4, stages=3)
+    elif m <= 64:
+        c = GemmConfig(64, 64, 64, 1, warps=4, stages=4)
+    elif n * k >= 48 << 20:  # long weights (gate_up, down) in wider column blocks
+        c = GemmConfig(128, 128, 64, 1, warps=8, stages=3)
+    else:
+        c = GemmConfig(128, 64, 64, 1, warps=4, stages=3)
+    blocks, split_k = triton.cdiv(n, c.block_n), 1
+    while blocks * split_k < 384 and split_k < 8 and triton.cdiv(k, c.block_k) >= 4 * split_k:
+        split_k *= 2
+    return dataclasses.replace(c, split_k=split_k)
 
 
 def swapped(c: GemmConfig) -> GemmConfig:
@@ -147,17 +176,12 @@ def fp8_weight_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     split_k = triton.cdiv(triton.cdiv(k, c.block_k), iters)  # no program without work
     x = x.contiguous()
     scale = weight_scale.reshape(n).float().contiguous()  # the kernel reads them densely, not through strides
-    out = torch.empty((split_k, m, n) if split_k > 1 else (m, n), dtype=torch.float32 if split_k > 1 else out_dtype,
-                      device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     rows_scale = x_scale.reshape(m).float().contiguous() if quantized else scale  # a per-tensor scale expanded too
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split_k)
+    locks, partials = WORKSPACE.get(x.device, split_k * m * n, grid[0] * grid[1]) if split_k > 1 else (out, out)
     _fp8_weight_gemm_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, m, n, k, rows_scale,
-                                  HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k, ITERS=iters,
-                                  BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
-                                  SWAP=c.swap, X_SCALED=quantized, num_warps=c.warps)
-    if split_k == 1:
-        return out
-    out = out.sum(0) * scale
-    if quantized:
-        out = out * rows_scale[:, None]
-    return (out if bias is None else out + bias.float()).to(out_dtype)
+                                  partials, locks, HAS_BIAS=bias is not None, IEEE=_widens(x.dtype), SPLIT_K=split_k,
+                                  ITERS=iters, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                                  STAGES=c.stages, SWAP=c.swap, X_SCALED=quantized, num_warps=c.warps)
+    return out

@@ -146,7 +146,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
             _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
 
 
-class _Workspace:
+class Workspace:
     """fp32 partial sums and zeroed counters for split-K, per device and stream. Buffers are never freed once handed
     out: a CUDA graph keeps the addresses it captured."""
 
@@ -162,7 +162,7 @@ class _Workspace:
         return held[-2], held[-1]
 
 
-_WORKSPACE = _Workspace()
+WORKSPACE = Workspace()
 
 
 def launch(pdl: bool) -> dict:
@@ -238,7 +238,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     blocks = triton.cdiv(n, c.block_n)
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    locks, partials = _WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
+    locks, partials = WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
     _gemv_kernel[(blocks, split_k, m)](
         x, weight, out, weight_scale if fp8 else out,
         x_scale if x_scale is not None else out, bias if bias is not None else out,

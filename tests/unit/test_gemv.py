@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.llm.fp8 import FP8, Fp8Scheme, quantize_tokens, quantize_weight
-from backends.llm.gemv import _WORKSPACE, GemvConfig, gemv
+from backends.llm.gemv import WORKSPACE, GemvConfig, gemv
 from backends.llm.model import rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -128,7 +128,7 @@ def test_split_k_counters_are_reset_and_results_repeat():
     first = gemv(x, w, scale, config=CONFIGS[2])
     second = gemv(x, w, scale, config=CONFIGS[2])
     assert torch.equal(first, second)
-    locks = [t for held in _WORKSPACE.buffers.values() for t in held if t.dtype == torch.int32]
+    locks = [t for held in WORKSPACE.buffers.values() for t in held if t.dtype == torch.int32]
     assert locks and all(int(t.abs().sum()) == 0 for t in locks)
 
 

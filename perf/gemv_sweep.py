@@ -30,7 +30,7 @@ from perf.report import hardware_line, stem, write_table
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336),
           "lm_head": (128256, 4096)}
-FUSED = {"qkv_proj": "norm", "o_proj": "residual", "gate_up_proj": "norm", "down_proj": "silu+residual",
+FUSED = {"qkv_proj": "norm", "o_proj": "residual", "gate_up_proj": "norm+gated", "down_proj": "residual",
          "lm_head": "norm"}
 BF16_ONLY = ("lm_head",)  # kept in bf16 by the FP8 schemes
 SMS = 132
@@ -205,11 +205,10 @@ def fused_time_us(name: str, x: torch.Tensor, copies: list, c: GemvConfig, quant
     n, k = SHAPES[name]
     norm = (torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5)
     residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
-    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
     q = quantized
     call = {"norm": lambda w: gemv(x, *w, quantize_input=q, norm=norm, config=c),
             "residual": lambda w: gemv(x, *w, quantize_input=q, residual=residual, config=c),
-            "silu+residual": lambda w: gemv(gate_up, *w, quantize_input=q, silu=True, residual=residual, config=c)
+            "norm+gated": lambda w: gemv(x, *w, quantize_input=q, norm=norm, gated=True, config=c)
             }[FUSED[name]]
     return graph_time_us(call, copies)
 

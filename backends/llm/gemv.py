@@ -4,15 +4,17 @@ At batch 1 a linear layer is bound by the bytes of its weight, and its time is t
 times their latency unless enough bytes are in flight. So each program of `_gemv_kernel` owns a few output features
 and a long span of K, read in wide tiles (perf.gemv_sweep measured the block sizes; small BLOCK_N, BLOCK_K of 1-2K);
 SPLIT_K > 1 lets several programs share a row of blocks, the last to finish (an atomic counter) adding their fp32
-partial sums in a fixed order, so results do not depend on timing. The residual add after the layer happens as the
-output is written. What comes before the layer runs once per row in `_prepare_kernel`, not in every program (the
-sweep measured that: recomputed by each program it cost up to 17 us on down_proj): the RMSNorm before q/k/v and
-gate/up or SiLU(gate) * up before down, each rounded as the unfused bf16 ops round it, and for FP8 weights the
-input's E4M3 quantization (per token, or with a calibrated static scale). Its output holds the E4M3 values in the
+partial sums in a fixed order, so results do not depend on timing. What comes after the layer happens as the
+output is written: the residual add, or (`gated`, for gate/up) SiLU(gate) * up, each program owning the same features
+of both halves, so down_proj takes its input as it is. What comes before runs once per row in `_prepare_kernel`, not
+in every program (the sweep measured that: recomputed by each program it cost up to 17 us on down_proj): the RMSNorm
+before q/k/v and gate/up, rounded as the unfused bf16 ops round it, and for FP8 weights with FP8 inputs the input's
+E4M3 quantization (per token, or with a calibrated static scale). Its output holds the E4M3 values in the
 activations' dtype (exact in bf16 and fp16), and the products are summed in fp32: `Fp8Linear`'s arithmetic.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ MAX_K = 32768  # the longest input row `prepare` takes (one program holds it in 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int
+    block_n: int  # weight rows a program reads (gated: half of them gate rows, half up rows)
     block_k: int
     split_k: int
     warps: int
@@ -46,28 +48,38 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N,
-            FP8: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
-    in_n = cols < N
+def _scaled(acc, cols, x_scale, w_scale_ptr, bias_ptr, N, FP8: tl.constexpr, HAS_BIAS: tl.constexpr):
     if FP8:
-        acc = acc * x_scale * tl.load(w_scale_ptr + cols, mask=in_n, other=0.0)
+        acc = acc * x_scale * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=in_n, other=0.0).to(tl.float32)
-    out = acc.to(out_ptr.dtype.element_ty)
-    if RESIDUAL:
-        out = (tl.load(res_ptr + row * N + cols, mask=in_n, other=0.0).to(tl.float32) + out.to(tl.float32)).to(
-            out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * N + cols, out, mask=in_n)
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit
-def _prepare_kernel(x_ptr, out_ptr, scale_ptr, norm_ptr, eps, K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+def _finish(acc, up, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8: tl.constexpr,
+            HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr):
+    """The output features `cols` of `row`, rounded to the output's dtype; GATED: SiLU(gate) * up, where `up` sums
+    the weight rows N further on, each rounded as the unfused linear layer and SiLU * up round them."""
+    dtype = out_ptr.dtype.element_ty
+    out = _scaled(acc, cols, x_scale, w_scale_ptr, bias_ptr, N, FP8, HAS_BIAS).to(dtype)
+    if GATED:
+        gate = out.to(tl.float32)
+        up = _scaled(up, cols, x_scale, w_scale_ptr + N, bias_ptr + N, N, FP8, HAS_BIAS).to(dtype).to(tl.float32)
+        out = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+    if RESIDUAL:
+        out = (tl.load(res_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32) + out.to(tl.float32)).to(
+            dtype)
+    tl.store(out_ptr + row * N + cols, out, mask=cols < N)
+
+
+@triton.jit
+def _prepare_kernel(x_ptr, out_ptr, scale_ptr, norm_ptr, eps, K: tl.constexpr, NORM: tl.constexpr,
                     QUANTIZE: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per row, the whole row in registers (BLOCK >= K), read and written once: out = f(x) (RMSNorm(x) *
-    weight, or SiLU(gate) * up of a [gate | up] row), rounded to the activations' dtype after each step as the
-    unfused ops do; with QUANTIZE, out / scale rounded to E4M3 and the scale (the row's absolute maximum / 448, or the
-    static one) in scale_ptr[row]. (A loop over K tiles made the row's loads wait on each other: 7.8 us for SiLU * up
-    at K = 14336 on the H200.)"""
+    """One program per row, the whole row in registers (BLOCK >= K), read and written once: out = x or RMSNorm(x) *
+    weight, rounded to the activations' dtype after each step as the unfused ops do; with QUANTIZE, out / scale
+    rounded to E4M3 and the scale (the row's absolute maximum / 448, or the static one) in scale_ptr[row]. (A loop
+    over K tiles made the row's loads wait on each other: 7.8 us for a row of 14336 on the H200.)"""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the GEMV after this starts reading its weights
@@ -75,11 +87,7 @@ def _prepare_kernel(x_ptr, out_ptr, scale_ptr, norm_ptr, eps, K: tl.constexpr, N
     dtype = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     mask = offs < K
-    x_row = x_ptr + row * (2 * K if SILU else K)
-    y = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if SILU:
-        up = tl.load(x_row + K + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32) * up
+    y = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt(tl.sum(y * y) / K + eps)
         y = (y * r).to(dtype).to(tl.float32) * tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -102,48 +110,69 @@ def _load_weights(w_rows, offs, cols, N, K: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _partial_product(w, x_row, offs, K: tl.constexpr, EVEN: tl.constexpr):
-    x = tl.load(x_row + offs) if EVEN else tl.load(x_row + offs, mask=offs < K, other=0.0)
-    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+def _input(x_row, offs, K: tl.constexpr, EVEN: tl.constexpr):
+    return (tl.load(x_row + offs) if EVEN else tl.load(x_row + offs, mask=offs < K, other=0.0)).to(tl.float32)
+
+
+@triton.jit
+def _dot(w, x):
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_ptr, partial_ptr, lock_ptr, N,
                  K: tl.constexpr, FP8: tl.constexpr, QUANTIZED: tl.constexpr, STATIC: tl.constexpr,
-                 HAS_BIAS: tl.constexpr,
-                 RESIDUAL: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, ITERS: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr):
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * K
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    up_rows = w_ptr + (cols[:, None] + N).to(tl.int64) * K  # GATED: [gate | up] weights, the up half's rows
     first = pid_k * ITERS * BLOCK_K
     acc = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
     if PDL:  # started while the kernel before may still run: read the first weight tile now (no kernel writes it),
         w = _load_weights(w_rows, first + k, cols, N, K, EVEN)
+        if GATED:
+            w_up = _load_weights(up_rows, first + k, cols, N, K, EVEN)
         gdc_wait()  # the input, the residual and every write only once that kernel is done
         gdc_launch_dependents()
-        acc += _partial_product(w, x_row, first + k, K, EVEN)
+        x = _input(x_row, first + k, K, EVEN)
+        acc += _dot(w, x)
+        if GATED:
+            up += _dot(w_up, x)
     for i in tl.range(1 if PDL else 0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        acc += _partial_product(_load_weights(w_rows, offs, cols, N, K, EVEN), x_row, offs, K, EVEN)
+        x = _input(x_row, offs, K, EVEN)
+        acc += _dot(_load_weights(w_rows, offs, cols, N, K, EVEN), x)
+        if GATED:
+            up += _dot(_load_weights(up_rows, offs, cols, N, K, EVEN), x)
     x_scale = 1.0  # unquantized inputs: bf16 weights, or FP8 weights only
     if QUANTIZED:
         x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)
     if SPLIT_K == 1:
-        _finish(acc, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
+        _finish(acc, up, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL,
+                GATED)
     else:
         partials = partial_ptr + row * SPLIT_K * N + cols
+        up_partials = partials + tl.num_programs(2) * SPLIT_K * N  # GATED: the up half's, after every row's gate
         tl.store(partials + pid_k * N, acc, mask=cols < N)
+        if GATED:
+            tl.store(up_partials + pid_k * N, up, mask=cols < N)
         tl.debug_barrier()  # every thread's partial is written before the counter says so
         lock = lock_ptr + row * tl.num_programs(0) + pid_n
         if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of this block's programs
             total = tl.zeros([BLOCK_N], tl.float32)
+            up_total = tl.zeros([BLOCK_N], tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(partials + s * N, mask=cols < N, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    up_total += tl.load(up_partials + s * N, mask=cols < N, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(lock, 0)  # ready for the next call
-            _finish(total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS, RESIDUAL)
+            _finish(total, up_total, row, cols, x_scale, out_ptr, w_scale_ptr, bias_ptr, res_ptr, N, FP8, HAS_BIAS,
+                    RESIDUAL, GATED)
 
 
 class Workspace:
@@ -190,12 +219,11 @@ def pdl_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-            quantize: bool = False, input_scale: torch.Tensor | None = None, pdl: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, quantize: bool = False,
+            input_scale: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(f(x), scale): see `_prepare_kernel`; `scale` is [M] for dynamic quantization, `input_scale` for static, None
     without quantization."""
-    m, k = x.shape[0], x.shape[1] // 2 if silu else x.shape[1]
+    m, k = x.shape
     out = torch.empty(m, k, dtype=x.dtype, device=x.device)
     scale = input_scale if input_scale is not None or not quantize else torch.empty(m, dtype=torch.float32,
                                                                                     device=x.device)
@@ -204,33 +232,35 @@ def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, sil
     block = triton.next_power_of_2(k)
     _prepare_kernel[(m,)](x.contiguous(), out, scale if scale is not None else out,
                           norm[0] if norm is not None else out, norm[1] if norm is not None else 0.0, K=k,
-                          NORM=norm is not None, SILU=silu, QUANTIZE=quantize, STATIC=input_scale is not None,
+                          NORM=norm is not None, QUANTIZE=quantize, STATIC=input_scale is not None,
                           BLOCK=block, PDL=pdl, num_warps=min(16, max(4, block // 1024)), **launch(pdl))
     return out, scale
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, quantize_input: bool = True, *,
-         norm: tuple[torch.Tensor, float] | None = None, silu: bool = False, residual: torch.Tensor | None = None,
+         norm: tuple[torch.Tensor, float] | None = None, gated: bool = False, residual: torch.Tensor | None = None,
          config: GemvConfig | None = None) -> torch.Tensor:
-    """residual + f(x) W^T (+ bias) for x [M, K] (M small; [M, 2K] as [gate | up] with `silu`), weight [N, K] in x's
-    dtype or E4M3 with `weight_scale` [N, 1]; f = RMSNorm with (weight, eps) `norm`, SiLU(gate) * up with `silu`, or
-    nothing. FP8: `input_scale` None quantizes each row with its own scale; `quantize_input` False leaves the input
-    as it is (weights-only FP8)."""
+    """residual + f(x) W^T (+ bias) for x [M, K] (M small), weight [N, K] in x's dtype or E4M3 with `weight_scale`
+    [N, 1]; f = RMSNorm with (weight, eps) `norm`, or nothing. `gated`: W is [gate | up] and the output [M, N / 2] is
+    SiLU(gate) * up (no residual then). FP8: `input_scale` None quantizes each row with its own scale;
+    `quantize_input` False leaves the input as it is (weights-only FP8)."""
     (n, k), m = weight.shape, x.shape[0]
     fp8 = weight.dtype == FP8
-    if x.shape[1] != (2 * k if silu else k) or (fp8 and weight_scale is None) or (norm is not None and silu):
+    if x.shape[1] != k or (fp8 and weight_scale is None) or (gated and (n % 2 or residual is not None)):
         raise ValueError(f"gemv: input {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
-                         f"silu={silu}, norm={norm is not None}")
+                         f"gated={gated}, residual={residual is not None}")
     c = config or default_config(n, k, fp8)
+    if gated:  # a program's block_n weight rows: half its features' gate rows, half their up rows
+        n, c = n // 2, dataclasses.replace(c, block_n=max(1, c.block_n // 2))
     quantize = fp8 and quantize_input
-    prepared = norm is not None or silu or quantize
+    prepared = norm is not None or quantize
     # PDL where a prepare kernel comes first: the weight reads start while it runs (FP8: 1-2 us a projection on the
     # H200); bf16 GEMVs after each other were slower with it (gate_up 59.9 vs 57.4 us), the early CTAs competing
     pdl = c.pdl and prepared and pdl_runs_on(x.device)
     x_scale = None
     if prepared:
-        x, x_scale = prepare(x, norm, silu, quantize, input_scale, pdl)
+        x, x_scale = prepare(x, norm, quantize, input_scale, pdl)
     chunks = triton.cdiv(k, c.block_k)
     iters = triton.cdiv(chunks, c.split_k)
     split_k = triton.cdiv(chunks, iters)  # no program without work
@@ -238,12 +268,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     blocks = triton.cdiv(n, c.block_n)
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    locks, partials = WORKSPACE.get(x.device, m * split_k * n, m * blocks) if split_k > 1 else (out, out)
+    locks, partials = WORKSPACE.get(x.device, m * split_k * weight.shape[0], m * blocks) if split_k > 1 else (out, out)
     _gemv_kernel[(blocks, split_k, m)](
         x, weight, out, weight_scale if fp8 else out,
         x_scale if x_scale is not None else out, bias if bias is not None else out,
         residual.contiguous() if residual is not None else out, partials, locks, n, K=k, FP8=fp8, QUANTIZED=quantize,
-        STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        STATIC=input_scale is not None, HAS_BIAS=bias is not None, RESIDUAL=residual is not None, GATED=gated,
         EVEN=n % c.block_n == 0 and k == split_k * iters * c.block_k, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         SPLIT_K=split_k, ITERS=iters, UNROLL=unroll, PDL=pdl, num_warps=c.warps, **launch(pdl))
     return out

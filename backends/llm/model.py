@@ -102,27 +102,25 @@ def gemv_runs_on(device: torch.device, fp8: bool) -> bool:
     return True
 
 
-def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, silu: bool = False,
+def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, gated: bool = False,
             residual: torch.Tensor | None = None,
             lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
-    """linear(f(x)) (+ adapters(f(x))) (+ residual), f = the RMSNorm `norm` or SiLU(gate) * up (`silu`) or nothing:
-    one GEMV kernel with its neighbours fused where gemv_operands allows, else the separate ops (linear's forward sees
-    its own input). With adapters, f(x) is made once for both products, and `lora(out, f(x))` adds theirs into the
-    output before the residual (PEFT's order)."""
+    """g(linear(f(x)) (+ adapters(f(x)))) (+ residual), f = the RMSNorm `norm` or nothing, g = SiLU(gate) * up of the
+    output's halves (`gated`) or nothing: one GEMV kernel with its neighbours fused where gemv_operands allows, else
+    the separate ops (linear's forward sees its own input). With adapters, f(x) is made once for both products, and
+    `lora(out, f(x))` adds theirs into the output before g and the residual (PEFT's order)."""
     if lora is not None:
-        x = kernels.silu_mul(x) if silu else x if norm is None else norm(x)
+        x = x if norm is None else norm(x)
         out = project(linear, x, kernels)
         lora(out, x)
-        return out if residual is None else residual + out
-    if (operands := gemv_operands(linear, x, kernels)) is not None:
+    elif (operands := gemv_operands(linear, x, kernels)) is not None:
         from backends.llm.gemv import gemv
 
-        return gemv(x, *operands, norm=None if norm is None else (norm.weight, norm.eps), silu=silu, residual=residual)
-    if silu:
-        x = kernels.silu_mul(x)
-    if norm is not None:
-        x = norm(x)
-    out = linear(x)
+        return gemv(x, *operands, norm=None if norm is None else (norm.weight, norm.eps), gated=gated,
+                    residual=residual)
+    else:
+        out = linear(x if norm is None else norm(x))
+    out = kernels.silu_mul(out) if gated else out
     return out if residual is None else residual + out
 
 
@@ -230,9 +228,9 @@ class DecoderLayer(nn.Module):
         delta = {} if lora is None else lora.layer(self.index)  # projection name -> its adapter products
         qkv = project(attn.qkv_proj, x, kernels, norm=self.input_layernorm, lora=delta.get("qkv_proj"))
         x = project(attn.o_proj, attn(qkv, cos, sin, kv, meta), kernels, residual=x, lora=delta.get("o_proj"))
-        gate_up = project(mlp.gate_up_proj, x, kernels, norm=self.post_attention_layernorm,
-                          lora=delta.get("gate_up_proj"))
-        return project(mlp.down_proj, gate_up, kernels, silu=True, residual=x, lora=delta.get("down_proj"))
+        hidden = project(mlp.gate_up_proj, x, kernels, norm=self.post_attention_layernorm, gated=True,
+                         lora=delta.get("gate_up_proj"))  # SiLU(gate) * up
+        return project(mlp.down_proj, hidden, kernels, residual=x, lora=delta.get("down_proj"))
 
 
 class DecoderModel(nn.Module):

@@ -17,11 +17,8 @@ CONFIGS = [GemvConfig(16, 32, 1, 4), GemvConfig(16, 32, 2, 4, 2), GemvConfig(8, 
 SHAPES = [(48, 64), (50, 70), (64, 128), (33, 100)]  # (N, K): with and without masks, split-K spans left over
 
 
-def reference(x, weight, weight_scale=None, bias=None, norm=None, silu=False, residual=None):
+def reference(x, weight, weight_scale=None, bias=None, norm=None, gated=False, residual=None):
     """The unfused ops in x's dtype, the product in float64 (of the E4M3-quantized input for FP8 weights)."""
-    if silu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
     if norm is not None:
         x = rms_norm(x, *norm)
     if weight.dtype == FP8:
@@ -30,47 +27,55 @@ def reference(x, weight, weight_scale=None, bias=None, norm=None, silu=False, re
     else:
         out = x.double() @ weight.double().t()
     out = (out + (0 if bias is None else bias.double())).to(x.dtype)
+    if gated:
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
     return out if residual is None else residual + out
 
 
-def operands(n, k, fp8, dtype, silu, normed, with_residual, with_bias, rows=2):
+def operands(n, k, fp8, dtype, gated, normed, with_residual, with_bias, rows=2):
+    """n output features: a weight of 2n rows, [gate | up], when `gated`."""
     g = torch.Generator().manual_seed(n * k)
-    weight = torch.randn(n, k, generator=g) * 0.1
+    weight = torch.randn(2 * n if gated else n, k, generator=g) * 0.1
     weight, scale = quantize_weight(weight) if fp8 else (weight.to(dtype), None)
-    x = torch.randn(rows, 2 * k if silu else k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     norm = ((torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE), 1e-5) if normed else None
     residual = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE) if with_residual else None
-    bias = torch.randn(n, generator=g).to(DEVICE) if with_bias else None
+    bias = torch.randn(weight.shape[0], generator=g).to(DEVICE) if with_bias else None
     return (x.to(DEVICE), weight.to(DEVICE), None if scale is None else scale.to(DEVICE), bias), \
-        dict(norm=norm, silu=silu, residual=residual)
+        dict(norm=norm, gated=gated, residual=residual)
 
 
 @pytest.mark.parametrize("shape,config", list(zip(SHAPES, CONFIGS)))
 @pytest.mark.parametrize("fp8", [False, True])
 def test_kernel_computes_the_unfused_layer_in_fp32(shape, config, fp8):
     """fp32 activations: every prologue/epilogue, split-K and masking combination gives the reference product."""
-    for prologue, with_residual, with_bias in itertools.product(["none", "norm", "silu"], [False, True], [False, True]):
-        (x, w, scale, bias), fused = operands(*shape, fp8, torch.float32, prologue == "silu", prologue == "norm",
+    for fusion, with_residual, with_bias in itertools.product(["none", "norm", "gated", "norm+gated"], [False, True],
+                                                               [False, True]):
+        if "gated" in fusion and with_residual:
+            continue  # (refused: test_mismatched_operands_are_refused)
+        (x, w, scale, bias), fused = operands(*shape, fp8, torch.float32, "gated" in fusion, "norm" in fusion,
                                               with_residual, with_bias)
         out = gemv(x, w, scale, None, bias, config=config, **fused)
         ref = reference(x, w, scale, bias, **fused)
         assert out.dtype == torch.float32 and out.shape == ref.shape
-        assert torch.allclose(out.double(), ref.double(), rtol=1e-5, atol=1e-5), (prologue, with_residual, with_bias)
+        assert torch.allclose(out.double(), ref.double(), rtol=1e-5, atol=1e-5), (fusion, with_residual, with_bias)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_kernel_rounds_bf16_as_the_unfused_ops(fp8):
-    """bf16: the fused RMSNorm / SiLU * up / residual give what the unfused model computes, within bf16 rounding
+    """bf16: the fused RMSNorm / SiLU(gate) * up / residual give what the unfused model computes, within bf16 rounding
     (and, for FP8, an E4M3 step where a rounding difference moves an input across a boundary). Triton's interpreter
     truncates to bf16 instead of rounding, so on the CPU each rounding step may be one unit further off."""
-    tolerance = 3e-2 if fp8 else 4e-3 if DEVICE == "cuda" else 1.5e-2
-    for prologue, with_residual in itertools.product(["none", "norm", "silu"], [False, True]):
-        (x, w, scale, _), fused = operands(64, 128, fp8, torch.bfloat16, prologue == "silu", prologue == "norm",
+    tolerance = 3e-2 if fp8 else 4e-3 if DEVICE == "cuda" else 2.5e-2
+    for fusion, with_residual in [("none", False), ("none", True), ("norm", False), ("norm", True), ("gated", False),
+                                  ("norm+gated", False)]:
+        (x, w, scale, _), fused = operands(64, 128, fp8, torch.bfloat16, "gated" in fusion, "norm" in fusion,
                                            with_residual, False)
         out = gemv(x, w, scale, config=CONFIGS[1], **fused)
         ref = reference(x, w, scale, **fused)
-        assert out.dtype == torch.bfloat16
-        assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < tolerance, prologue
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < tolerance, fusion
 
 
 def test_static_input_scale_is_used_as_given():
@@ -138,11 +143,13 @@ def test_mismatched_operands_are_refused():
         gemv(x, w, None)
     with pytest.raises(ValueError, match="gemv"):
         gemv(x[:, :32], w, scale)
+    with pytest.raises(ValueError, match="gated"):  # SiLU(gate) * up has no residual add
+        gemv(x, w, scale, gated=True, residual=torch.zeros(x.shape[0], 24, device=DEVICE))
 
 
 @pytest.mark.parametrize("fp8", [None, "token", "none"])
 def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8, tmp_path, monkeypatch):
-    """The engine with its one-token steps routed through the kernel (norms, SiLU * up and residuals fused; the LM
+    """The engine with its one-token steps routed through the kernel (norms, SiLU(gate) * up and residuals fused; the LM
     head too) decodes what the unfused model decodes, in fp32: on the CPU in the interpreter, on a GPU inside the
     decode CUDA graphs."""
     from backends.llm import gemv as gemv_module
@@ -169,5 +176,5 @@ def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8
     monkeypatch.setattr(model, "gemv_runs_on", lambda device, fp8: True)
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(kw) or gemv(*a, **kw))
     assert decode() == unfused
-    assert {kw["silu"] for kw in calls} == {True, False} and any(kw["norm"] for kw in calls)
+    assert {kw["gated"] for kw in calls} == {True, False} and any(kw["norm"] for kw in calls)
     assert any(kw["residual"] is not None for kw in calls)

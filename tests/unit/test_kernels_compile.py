@@ -23,17 +23,17 @@ LORA_POINTERS = {"perm_ptr": "*i64", "tiles_ptr": "*i64", "weights_ptr": "*fp32"
                  "xa_ptr": "*fp32"}
 
 
-def gemv(fp8: bool, quantized: bool, split_k: int, pdl: bool, residual: bool) -> tuple:
+def gemv(fp8: bool, quantized: bool, split_k: int, pdl: bool, residual: bool, gated: bool = False) -> tuple:
     return ("backends.llm.gemv", "_gemv_kernel", {**GEMV_POINTERS, "w_ptr": "*fp8e4nv" if fp8 else "*bf16"},
             {"N": "i32"}, dict(K=4096, FP8=fp8, QUANTIZED=quantized, STATIC=False, HAS_BIAS=False,
-                               RESIDUAL=residual, EVEN=True, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=split_k,
+                               RESIDUAL=residual, GATED=gated, EVEN=True, BLOCK_N=8, BLOCK_K=1024, SPLIT_K=split_k,
                                ITERS=4 // split_k, UNROLL=1, PDL=pdl))
 
 
-def prepare(norm: bool, silu: bool, quantize: bool, static: bool) -> tuple:
+def prepare(norm: bool, quantize: bool, static: bool) -> tuple:
     return ("backends.llm.gemv", "_prepare_kernel", {"x_ptr": "*bf16", "out_ptr": "*bf16", "scale_ptr": "*fp32",
                                                      "norm_ptr": "*bf16"}, {"eps": "fp32"},
-            dict(K=4096, NORM=norm, SILU=silu, QUANTIZE=quantize, STATIC=static, BLOCK=4096, PDL=True))
+            dict(K=4096, NORM=norm, QUANTIZE=quantize, STATIC=static, BLOCK=4096, PDL=True))
 
 
 def partition(fp8_cache: bool) -> tuple:
@@ -51,9 +51,11 @@ CASES = {
     "gemv-bf16-split-residual": gemv(False, False, 2, True, True),  # split K, residual add
     "gemv-fp8-split-residual": gemv(True, False, 2, True, True),  # FP8 weights only
     "gemv-w8a8": gemv(True, True, 1, False, False),  # FP8 weights and per-token FP8 inputs
-    "prepare-norm": prepare(True, False, False, False),
-    "prepare-silu-quantize": prepare(False, True, True, False),
-    "prepare-norm-static": prepare(True, False, True, True),
+    "gemv-gated": gemv(False, False, 1, True, False, True),  # SiLU(gate) * up of gate_up
+    "gemv-fp8-gated-split": gemv(True, False, 2, True, False, True),
+    "prepare-norm": prepare(True, False, False),
+    "prepare-quantize": prepare(False, True, False),
+    "prepare-norm-static": prepare(True, True, True),
     "paged-partition": partition(False),
     "paged-partition-fp8-cache": partition(True),
     "paged-combine": ("backends.llm.paged_decode", "_combine_kernel",
@@ -61,8 +63,16 @@ CASES = {
                       dict(HEAD_DIM=128, HEAD_PAD=128, PARTITIONS_PAD=8)),
     "fp8-weight-gemm": ("backends.llm.fp8_gemm", "_fp8_weight_gemm_kernel",
                         {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
-                         "out_ptr": "*bf16"}, {"M": "i32", "N": "i32", "K": "i32", "ITERS": "i32"},
-                        dict(HAS_BIAS=False, IEEE=False, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4)),
+                         "out_ptr": "*bf16", "x_scale_ptr": "*fp32", "partial_ptr": "*fp32", "lock_ptr": "*i32"},
+                        {"M": "i32", "N": "i32", "K": "i32", "ITERS": "i32"},
+                        dict(HAS_BIAS=False, IEEE=False, SPLIT_K=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4,
+                             SWAP=False, X_SCALED=False)),
+    "fp8-weight-gemm-split": ("backends.llm.fp8_gemm", "_fp8_weight_gemm_kernel",  # partial sums added in the kernel
+                              {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
+                               "out_ptr": "*bf16", "x_scale_ptr": "*fp32", "partial_ptr": "*fp32",
+                               "lock_ptr": "*i32"}, {"M": "i32", "N": "i32", "K": "i32", "ITERS": "i32"},
+                              dict(HAS_BIAS=True, IEEE=False, SPLIT_K=4, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                                   STAGES=4, SWAP=False, X_SCALED=False)),
     "lora-shrink": ("backends.llm.lora_kernels", "_shrink_kernel", {**LORA_POINTERS, "x_ptr": "*bf16", "a_ptr": "*bf16"},
                     {"rows_total": "i32", "stride_x": "i32"},
                     dict(K=4096, R=16, SLOTS=64, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BK=128, K_SPLIT=1024,

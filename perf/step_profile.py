@@ -29,6 +29,8 @@ CATEGORIES = (  # first match wins; names of our kernels, then the library's
     ("other", r""),
 )
 
+GAP_US = 20.0  # a gap between kernels this long is the GPU waiting (for the host), not a launch's latency
+
 
 @dataclass
 class StepProfile:
@@ -38,6 +40,8 @@ class StepProfile:
     busy_ms: dict[str, float] = field(default_factory=dict)  # a step's device (CPU: op) time by category
     top: list[tuple[str, float]] = field(default_factory=list)  # the costliest kernels, ms a step
     host_top: list[tuple[str, float]] = field(default_factory=list)  # on a GPU: the host's costliest ops, ms a step
+    device_busy_ms: float | None = None  # on a GPU: a step's time with any kernel running (overlapping ones once)
+    idle_gaps: tuple[int, float] = (0, 0.0)  # on a GPU: gaps of >= GAP_US between kernels, per step: count, ms
 
     @property
     def total_ms(self) -> float:
@@ -88,7 +92,27 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
         found.busy_ms[label] = found.busy_ms.get(label, 0.0) + us / 1e3 / steps
     found.top = [(name, us / 1e3 / steps) for name, us in per_kernel.most_common(8)]
     found.host_top = [(name, us / 1e3 / steps) for name, us in on_host.most_common(8)]
+    if cuda:
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy, gaps = device_timeline(spans)
+        found.device_busy_ms = busy / 1e3 / steps
+        found.idle_gaps = (round(len(gaps) / steps), sum(gaps) / 1e3 / steps)
     return found
+
+
+def device_timeline(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """(time covered by the kernels' [start, end] spans, the gaps of >= GAP_US between them), in us."""
+    busy, gaps, end = 0.0, [], None
+    for start, stop in sorted(spans):
+        if end is not None and start - end >= GAP_US:
+            gaps.append(start - end)
+        if end is None or start > end:
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        end = stop if end is None else max(end, stop)
+    return busy, gaps
 
 
 def describe(found: StepProfile) -> str:
@@ -96,6 +120,9 @@ def describe(found: StepProfile) -> str:
     parts = ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(found.busy_ms.items(), key=lambda kv: -kv[1]))
     top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in found.top)
     host = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in found.host_top)
+    timeline = "" if found.device_busy_ms is None else (
+        f"; some kernel running {found.device_busy_ms:.2f} ms a step, {found.idle_gaps[0]} gaps of >= {GAP_US:.0f} us "
+        f"between kernels a step, {found.idle_gaps[1]:.3f} ms")
     return (f"decode steps of {found.rows} rows under the profiler: {found.wall_ms:.2f} ms a step, kernels "
-            f"{found.total_ms:.2f} ms ({parts}); costliest kernels, ms a step: {top}"
+            f"{found.total_ms:.2f} ms ({parts}){timeline}; costliest kernels, ms a step: {top}"
             + (f"; the host's costliest ops (self time), ms a step: {host}" if host else ""))

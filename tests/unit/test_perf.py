@@ -238,6 +238,16 @@ def test_engine_comparison_profiles_decode_steps_by_kind(tmp_path):
     assert "library GEMM (cuBLAS, CUTLASS)" in table and "attention, library (SDPA, flash)" in table  # by kind
 
 
+def test_device_timeline_counts_overlapping_kernels_once_and_finds_the_gaps():
+    from perf.step_profile import GAP_US, device_timeline
+
+    # overlapping spans count once; a kernel inside a would-be gap splits it into two short ones
+    busy, gaps = device_timeline([(0, 10), (5, 12), (12 + GAP_US, 40 + GAP_US), (20, 21)])
+    assert busy == 12 + 1 + 28 and gaps == []
+    busy, gaps = device_timeline([(0, 1), (1 + 2 * GAP_US, 2 + 2 * GAP_US), (2 + 2 * GAP_US, 3 + 2 * GAP_US)])
+    assert busy == 3 and gaps == [2 * GAP_US]
+
+
 def test_qos_variants_are_named_flag_lists():
     from perf.qos import variant
 

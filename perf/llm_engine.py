@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -115,17 +116,27 @@ def step_breakdown(stats: EngineStats) -> str:
             f"({decode_ms:.2f} ms a step, mean batch {stats.decode_tokens / max(stats.decode_steps, 1):.1f})")
 
 
-def graph_replay_ms(engine: LLMEngine, repeats: int = 50) -> float | None:
-    """GPU time of the batch-1 decode graph alone, or None without graphs."""
+def graph_replay_ms(engine: LLMEngine, repeats: int = 50) -> dict[str, float] | None:
+    """The batch-1 decode graph alone, or None without graphs: ms a replay back to back ("replay", the GPU's time),
+    the host's time in one replay call meanwhile (median, "launch"), and a replay waited for before the next
+    ("waited": whether the GPU starts before the call returns)."""
     if not engine.runner.graphs:
         return None
     graph, _ = engine.runner.graphs[min(engine.runner.graphs)]
     sync(engine.device)
+    start, calls = time.perf_counter(), []
+    for _ in range(repeats):
+        called = time.perf_counter()
+        graph.replay()
+        calls.append(time.perf_counter() - called)
+    sync(engine.device)
+    replay = (time.perf_counter() - start) / repeats
     start = time.perf_counter()
     for _ in range(repeats):
         graph.replay()
-    sync(engine.device)
-    return (time.perf_counter() - start) / repeats * 1e3
+        sync(engine.device)
+    return {"replay": 1e3 * replay, "launch": 1e3 * statistics.median(calls),
+            "waited": 1e3 * (time.perf_counter() - start) / repeats}
 
 
 def transformers_generate(model, batch: list[list[int]], new_tokens: int, device: torch.device) -> float:
@@ -212,7 +223,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
                     engine.step()
         roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
         found.append(dict(batch1=batch1, concurrent=concurrent, ready=ready_s, roofline=roofline,
-                          replay=graph_replay_ms(engine) or float("nan"),
+                          **(graph_replay_ms(engine) or dict.fromkeys(("replay", "launch", "waited"), float("nan"))),
                           **{f"wall{rows}": profiles[rows].wall_ms if rows in profiles else float("nan")
                              for rows in args.profile_rows},
                           **{f"kernels{rows}": profiles[rows].total_ms if rows in profiles else float("nan")
@@ -237,6 +248,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
             row(f"output tokens/s, {args.concurrency} x {args.input_tokens} in / {args.output_tokens} out "
                 "(all added at once)", "concurrent", ".1f"),
             row("batch-1 decode step replayed from its CUDA graph, ms", "replay", ".2f"),
+            row("its replay call's time on the host, ms (median, replays back to back)", "launch", ".2f"),
+            row("its replay waited for before the next, ms", "waited", ".2f"),
             row("engine ready, s (load, FP8 quantizing on the device, KV cache, graph capture)", "ready", ".1f")]
     for n in args.profile_rows:
         rows += [row(f"decode step of {n} rows under the profiler, ms", f"wall{n}", ".2f"),
@@ -316,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print("measuring batch 1 ...", flush=True)
     ours_1 = engine_batch1(engine, one[0], args.batch1_tokens)
     roofline = bandwidth / decode_bytes(engine, args.input_tokens + args.batch1_tokens // 2)
-    replay = graph_replay_ms(engine)
+    graph = graph_replay_ms(engine)
     theirs_1 = transformers_generate(reference, one, min(args.batch1_tokens, 32), device)
     rows.append(["decode tokens/s, batch 1", f"{ours_1:.1f}", f"{theirs_1:.1f}", f"{ours_1 / theirs_1:.2f}",
                  f"roofline {roofline:.1f} ({100 * ours_1 / roofline:.0f}% reached)"])
@@ -336,9 +349,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{min(args.batch1_tokens, 32)} tokens (prefill included, so slightly pessimistic for it).",
              f"Engine: {json.dumps(engine.config.__dict__)}; {engine.blocks.num_blocks} KV blocks; ready in "
              f"{ready_s:.1f} s ({len(engine.runner.graphs)} decode graphs captured at start)."]
-    if replay:
-        notes.append(f"One batch-1 decode step replayed alone from its CUDA graph takes {replay:.2f} ms (the GPU's "
-                     f"share of a step; a whole engine step at batch 1 takes {1e3 / ours_1:.2f} ms).")
+    if graph:
+        notes.append(f"One batch-1 decode step replayed alone from its CUDA graph takes {graph['replay']:.2f} ms (the "
+                     f"GPU's share of a step; a whole engine step at batch 1 takes {1e3 / ours_1:.2f} ms); the replay "
+                     f"call takes {graph['launch']:.2f} ms of the host's time, and a replay waited for before the "
+                     f"next {graph['waited']:.2f} ms.")
     hardware = hardware_line("n/a (in-process)")
     path = write_table(args.results / args.host, args.scenario, ["measure", "engine", "transformers", "ratio", "note"],
                        rows, hardware, notes)

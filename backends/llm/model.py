@@ -147,17 +147,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class Kernels:
     """The elementwise pieces of a layer. `compiled()` gives torch.compile'd versions (one fused kernel each instead
     of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels). `gemv`: whether
-    one-token steps may run their projections through gemv.py (see `project`)."""
+    one-token steps may run their projections through gemv.py (see `project`); `rope_cache`: whether steps that
+    attend through the cache rotate q and k and write the cache in one kernel (rope_cache.py; on by `compiled()`)."""
 
     rms_norm, rotate, silu_mul = staticmethod(rms_norm), staticmethod(rotate), staticmethod(silu_mul)
     quantize_tokens = staticmethod(quantize_tokens)  # FP8 layers' activations
 
-    def __init__(self, gemv: bool = True):
-        self.gemv = gemv
+    def __init__(self, gemv: bool = True, rope_cache: bool = False):
+        self.gemv, self.rope_cache = gemv, rope_cache
 
     @classmethod
     def compiled(cls, gemv: bool = True) -> Kernels:
-        kernels = cls(gemv)
+        kernels = cls(gemv, rope_cache=True)
         for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens"):
             setattr(kernels, name, torch.compile(getattr(cls, name), dynamic=True))
         return kernels
@@ -194,6 +195,13 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Rotary, the cache write and attention over the q/k/v projection's output: [T, heads * head_dim], the
         input of o_proj (DecoderLayer runs the projections, so it can fuse their neighbours)."""
+        if self.kernels.rope_cache and meta.varlen is None and self.kv_scales is None:
+            from backends.llm import rope_cache
+
+            if rope_cache.fits(self.head_dim, kv, qkv):
+                q = rope_cache.rope_write(qkv, cos, sin, kv, meta.slot_mapping, self.heads, self.kv_heads,
+                                          self.head_dim)
+                return paged_attention(q, kv, meta).reshape(-1, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.kernels.rotate(q.view(-1, self.heads, self.head_dim), cos, sin)
         k = self.kernels.rotate(k.view(-1, self.kv_heads, self.head_dim), cos, sin)

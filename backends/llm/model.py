@@ -284,10 +284,18 @@ class DecoderModel(nn.Module):
                        kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                        lora: LoraStep | None = None) -> torch.Tensor:
         """`forward` from the input embeddings on (what a prefill graph captures)."""
-        cos, sin = self.cos[positions], self.sin[positions]
-        for layer, kv in zip(self.layers, kv_cache):
-            x = layer(x, cos, sin, kv, meta, lora)
-        return self.norm(x)
+        return self.norm(self.run_layers(x, self.rope(positions), kv_cache, meta, lora))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+    def run_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                   lora: LoraStep | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Layers [start, stop) (a decode graph may be captured in pieces, backends/llm/runner.py)."""
+        for layer, kv in zip(self.layers[start:stop], kv_cache[start:stop]):
+            x = layer(x, *rope, kv, meta, lora)
+        return x
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

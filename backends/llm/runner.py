@@ -37,6 +37,9 @@ from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+GRAPH_PIECES = 1  # decode graphs captured as this many graphs of consecutive layers, replayed one after the other:
+# the GPU starts on the first while the host launches the rest (a replay call costs the host about 0.6 ms for a
+# whole 8B step; perf.llm_engine's `pieces` variants measure it; see capture_graph)
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # padding <= 1.5x
 
 
@@ -54,6 +57,17 @@ def lora_row(seq: Sequence) -> tuple[list[int], list[float]]:
     """The sequence's (slots, weights) padded to MIXED; weight = the adapter's alpha/r times its share."""
     pad = MIXED - len(seq.lora)
     return seq.lora_slots + [0] * pad, [share * adapter.scaling for adapter, share in seq.lora] + [0.0] * pad
+
+
+class GraphPieces:
+    """CUDA graphs replayed in order, as one."""
+
+    def __init__(self, graphs: list[torch.cuda.CUDAGraph]):
+        self.graphs = graphs
+
+    def replay(self) -> None:
+        for graph in self.graphs:
+            graph.replay()
 
 
 class ModelRunner:
@@ -272,15 +286,39 @@ class ModelRunner:
                     self.graphs[batch, width] = self.capture_graph(batch, width)
         return len(self.graphs) + len(self.prefill_sizes)
 
-    def forward_static(self, batch: int, width: int) -> torch.Tensor:
+    def static_step(self, batch: int, width: int) -> tuple[AttentionMetadata, LoraStep | None]:
+        """A decode step's metadata and adapters over the static inputs (new each time: the metadata caches
+        per-step tensors, which a capture must compute inside its graph)."""
         meta = AttentionMetadata(self.slots[:batch], self.tables[:batch, :width], self.positions[:batch, None], None,
                                  width * self.blocks.block_size, decode_kernel=self.decode_kernel)
         lora = None if self.lora is None else LoraStep(self.lora, self.lora_perm[:batch], self.lora_tiles[:batch],
                                                        self.lora_weights[:batch], self.lora_tile_count)
+        return meta, lora
+
+    def forward_static(self, batch: int, width: int) -> torch.Tensor:
+        meta, lora = self.static_step(batch, width)
         return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta, lora=lora))
 
-    def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        return self.record(lambda: self.forward_static(batch, width))
+    def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph | GraphPieces, torch.Tensor]:
+        pieces = min(GRAPH_PIECES, len(self.model.layers))
+        if pieces <= 1:
+            return self.record(lambda: self.forward_static(batch, width))
+        # piece i runs layers bounds[i]..bounds[i + 1]; the first also embeds, the last also computes the logits. A
+        # piece's output (and the first's metadata and rotary tables) is the next one's input: `held` keeps the
+        # tensors of the last call, the captured ones
+        model, bounds, held = self.model, [round(i * len(self.model.layers) / pieces) for i in range(pieces + 1)], {}
+
+        def piece(i: int) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                if i == 0:
+                    held["step"], held["rope"] = self.static_step(batch, width), model.rope(self.positions[:batch])
+                x = model.embed(self.ids[:batch]) if i == 0 else held[i - 1]
+                x = held[i] = model.run_layers(x, held["rope"], self.kv_cache, *held["step"], bounds[i], bounds[i + 1])
+                return model.logits(model.norm(x)) if i == pieces - 1 else x
+            return run
+
+        recorded = [self.record(piece(i)) for i in range(pieces)]
+        return GraphPieces([graph for graph, _ in recorded]), recorded[-1][1]
 
     def record(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream (this also runs the current step: its cache writes repeat identically on

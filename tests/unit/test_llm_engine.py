@@ -330,6 +330,21 @@ def test_prefill_graphs_give_the_eager_tokens_on_a_gpu(checkpoint):
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
+def test_decode_graphs_in_pieces_give_the_whole_graphs_tokens(checkpoint, monkeypatch):
+    from backends.llm import runner
+
+    params = SamplingParams(max_tokens=24, min_tokens=24)
+    outputs = []
+    for pieces in (2, 1):
+        monkeypatch.setattr(runner, "GRAPH_PIECES", pieces)
+        engine = make_engine(checkpoint, dtype="bf16", device="cuda", kv_cache_memory_mb=64)
+        graph, _ = engine.runner.graphs[1, 1]
+        assert isinstance(graph, runner.GraphPieces) == (pieces > 1)
+        outputs.append([[s.output_ids for s in engine.generate(batch, params)] for batch in (PROMPTS, PROMPTS[:1])])
+    assert outputs[0] == outputs[1]
+
+
 def test_prefill_by_sequence_equals_the_padded_masked_path():
     """A step mixing a prompt chunk after a cached prefix, a decoding sequence and a prompt from its start: each
     sequence over its own keys (bottom-right causal) equals the padded, masked computation of all of them."""

@@ -43,7 +43,7 @@ from perf.step_profile import describe, profile_decode
 OPTIONS = {"overlap",  # overlap_steps on
            "swap",  # FP8 GEMMs of 2+ rows swapped (fp8_gemm.SWAP_FROM_ROWS)
            "w8a8gemm",  # W8A8 steps of 2-256 rows by fp8_gemm.py on FP8 inputs, not cuBLAS (fp8.W8A8_GEMM_MAX_ROWS)
-           "pieces"}  # decode graphs captured in 4 pieces (runner.GRAPH_PIECES)
+           "whole"}  # decode graphs captured whole, not in pieces (runner.GRAPH_PIECES)
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                   rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
@@ -192,7 +192,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         options = set(options[0].split("+")) if options else set()
         fp8_gemm.SWAP_FROM_ROWS = 2 if "swap" in options else defaults[0]  # (read as the engine's graphs are captured)
         fp8.W8A8_GEMM_MAX_ROWS = fp8.FP8_GEMM_MAX_ROWS if "w8a8gemm" in options else defaults[1]
-        runner.GRAPH_PIECES = 4 if "pieces" in options else defaults[2]
+        runner.GRAPH_PIECES = 1 if "whole" in options else defaults[2]
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,

@@ -122,8 +122,8 @@ def scaled_mm_available(device: torch.device) -> bool:
 
 
 FP8_GEMM_MAX_ROWS = 256  # weights-only steps of up to this many rows run backends/llm/fp8_gemm.py on a GPU
-W8A8_GEMM_MAX_ROWS = 0  # W8A8 steps of up to this many rows run it too, on FP8 inputs (0: cuBLAS' _scaled_mm; for
-# perf.llm_engine's `w8a8gemm` variants until perf.fp8_gemm_sweep has measured it on the GPU)
+W8A8_GEMM_MAX_ROWS = 0  # W8A8 steps of up to this many rows run it too, on FP8 inputs (0: cuBLAS' _scaled_mm, which
+# was faster on the H200 from 32 rows on, 2026-12-05; perf.llm_engine's `w8a8gemm` variants set it)
 
 
 @functools.cache

@@ -7,9 +7,9 @@ widens them in registers (exact: every E4M3 value is a bf16/fp16 value) and mult
 the rows' [BLOCK_M, BLOCK_K] input tiles, accumulating in fp32; the per-channel scale and the bias apply once, to
 the fp32 sum, and the output is rounded once. SPLIT_K > 1 cuts K among programs when N alone gives too few of them
 to keep the GPU's memory busy; the last of a tile's programs to finish (an atomic counter) adds their fp32 partial
-sums in a fixed order and finishes the tile, so results do not depend on timing and no kernel runs after. perf.fp8_gemm_sweep measured the configurations: against bf16 cuBLAS on the same layers this is
-1.15x faster up to 16 rows and slower above (0.7x at 64, 0.45x at 256: the widened tiles feed the tensor cores
-through registers), but 3-5x faster than widening every weight for cuBLAS.
+sums in a fixed order and finishes the tile, so results do not depend on timing and no kernel runs after.
+perf.fp8_gemm_sweep measured the configurations: against bf16 cuBLAS on the same layers this is 1.1-1.3x faster up to
+16 rows and slower above (0.6-0.8x at 64, 0.3-0.6x at 128), but 3-5x faster than widening every weight for cuBLAS.
 
 `swap` computes the transposed product, out^T = W x^T: the widened weight tile becomes the MMA's first operand, which
 Hopper's wgmma can take from registers (where the widening leaves it), the input rows the second, read from shared
@@ -17,13 +17,13 @@ memory as they are; the rows are then the MMA's N (8 to 256), the weight's colum
 how mixed-input GEMMs for few rows are built on Hopper ("swap AB"). Compiled for sm_90 (`python -m perf.kernel_asm`,
 any machine), Triton 3.6 does so: swapped, the product is a wgmma with the weight tile in registers; unswapped, the
 widened tile is stored to shared memory first, and with fewer than 64 rows a block it runs on mma.sync (Ampere's
-instruction) instead of wgmma. Whether that is faster is for perf.fp8_gemm_sweep to show on the GPU; until then no
-default configuration swaps.
+instruction) instead of wgmma. perf.fp8_gemm_sweep timed it on the H200 (2026-12-05): within a few percent of the
+unswapped configurations, at best, so no default configuration swaps.
 
 The inputs may be E4M3 too, with a scale per row (W8A8, x quantized per token as fp8.quantize_tokens does): nothing
 is widened then, the product is a wgmma on E4M3 operands (kernel_asm; swapped from 16 rows on, unswapped from 64),
-and both scales apply to the fp32 sum. perf.fp8_gemm_sweep times it beside cuBLAS' `torch._scaled_mm`, which the
-engine's W8A8 steps run until the sweep says otherwise.
+and both scales apply to the fp32 sum. perf.fp8_gemm_sweep times it beside cuBLAS' `torch._scaled_mm`, which was
+faster from 32 rows on (2026-12-05), so the engine's W8A8 steps run that.
 """
 from __future__ import annotations
 
@@ -121,8 +121,8 @@ def _widens(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype in (torch.bfloat16, FP8) and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-SWAP_FROM_ROWS: int | None = None  # default configurations swap at this many rows and more (None: never; for
-# perf.llm_engine's `swap` variants until perf.fp8_gemm_sweep has measured it on the GPU)
+SWAP_FROM_ROWS: int | None = None  # default configurations swap at this many rows and more (None: never; measured on
+# the H200 it was not faster, 2026-12-05; perf.llm_engine's `swap` variants set it)
 
 
 def default_config(m: int, n: int, k: int) -> GemmConfig:

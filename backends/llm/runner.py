@@ -37,9 +37,9 @@ from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-GRAPH_PIECES = 1  # decode graphs captured as this many graphs of consecutive layers, replayed one after the other:
-# the GPU starts on the first while the host launches the rest (a replay call costs the host about 0.6 ms for a
-# whole 8B step; perf.llm_engine's `pieces` variants measure it; see capture_graph)
+GRAPH_PIECES = 4  # decode graphs captured as this many graphs of consecutive layers, replayed one after the other:
+# the GPU starts on the first while the host launches the rest. On the H200 (Llama-3-8B shapes, bf16, one run against
+# whole graphs; perf/results/h200/2026-12-05-llm-engine-pieces.md) batch 1 1.05x, 64 x 128/128 1.08x
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # padding <= 1.5x
 
 

@@ -225,6 +225,7 @@ def test_engine_comparison_profiles_decode_steps_by_kind(tmp_path):
     assert category("sm90_xmma_gemm_bf16bf16") == category("nvjet_tst_128x64") == "library GEMM (cuBLAS, CUTLASS)"
     assert category("_gemv_kernel") == "GEMV (gemv.py)" and category("triton_poi_fused_mul_silu_0").startswith("comp")
     assert category("void at::native::unrolled_elementwise") == "other"
+    assert category("_rope_write_kernel") == "rotary + cache write (rope_cache.py)"
     assert main(["--variants", "bf16:gather:library", "--device", "cpu", "--concurrency", "4", "--input-tokens", "8",
                  "--output-tokens", "4", "--batch1-tokens", "4", "--profile-rows", "1", "4", "--results",
                  str(tmp_path), "--host", "t"]) == 0

@@ -7,7 +7,8 @@ blocks up to its own position, so the rows of one sequence are causal among them
 decode step: same kernels, same graphs).
 Decode steps run with fixed shapes: the rows are padded to a bucket (1, 2, 4, ... rows) and the block tables to
 a power-of-two number of blocks; padded rows write and read only the scratch block. On CUDA each (batch, blocks)
-shape is captured once as a CUDA graph and replayed, so a step costs its kernels' time, not thousands of launches.
+shape is captured once as CUDA graphs (GRAPH_PIECES of them, of consecutive layers) and replayed, so a step costs its
+kernels' time, not thousands of launches.
 On the CPU the same padded path runs eagerly (which is how the tests check it).
 
 A prefill step of fresh prompts (nothing cached, no adapters) of up to `prefill_graph_tokens` tokens in all is padded

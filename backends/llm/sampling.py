@@ -39,6 +39,20 @@ class Drawn:
     failed: dict[int, Exception]  # rows known to fail already (an injected fault)
     rows: list[int]  # the sampled rows
     finite: torch.Tensor | None  # whether each sampled row's probabilities were finite
+    on_host: tuple[torch.Tensor, torch.Tensor | None]  # (tokens, finite) on their way to pinned host memory
+    copied: torch.cuda.Event | None  # recorded after those copies (on a GPU)
+
+
+def _copy_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], torch.cuda.Event | None]:
+    """Copies started now, behind the kernels that compute them and ahead of whatever the host launches next (a
+    step launched before these tokens are read must not delay them), with the event to wait for."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    hosts = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+             for t in tensors]
+    copied = torch.cuda.Event()
+    copied.record()
+    return hosts, copied
 
 
 def draw(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> Drawn:
@@ -55,15 +69,20 @@ def draw(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -
         index = to_device(rows, torch.int64, logits.device)
         drawn, finite = _sample_rows(logits[index], [seqs[i] for i in rows])
         tokens = tokens.index_copy(0, index, drawn)
-    return Drawn(tokens, failed, rows, finite)
+    on_host, copied = _copy_to_host([tokens, finite])
+    return Drawn(tokens, failed, rows, finite, tuple(on_host), copied)
 
 
 def chosen(drawn: Drawn) -> list[int | Exception]:
-    """The drawn tokens on the host (one device sync for the batch); a row whose sampling failed (non-finite
-    logits, an injected fault) gets its exception instead: it belongs to that sequence alone."""
-    tokens: list[int | Exception] = drawn.tokens.tolist()
+    """The drawn tokens on the host (waiting for their copies, not for later work on the device); a row whose
+    sampling failed (non-finite logits, an injected fault) gets its exception instead: it belongs to that sequence
+    alone."""
+    if drawn.copied is not None:
+        drawn.copied.synchronize()
+    host_tokens, host_finite = drawn.on_host
+    tokens: list[int | Exception] = host_tokens.tolist()
     failed = dict(drawn.failed)
-    for i, ok in zip(drawn.rows, drawn.finite.tolist() if drawn.rows else ()):
+    for i, ok in zip(drawn.rows, host_finite.tolist() if drawn.rows else ()):
         if not ok:
             failed[i] = RuntimeError("sampling failed: the model's probabilities are not finite")
     for i, error in failed.items():

@@ -231,6 +231,26 @@ def test_a_step_launched_ahead_never_waits_for_the_device(checkpoint):
     assert len(ahead) > 10 and all(step.error is None for step in ahead)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
+def test_drawn_tokens_reach_the_host_without_waiting_for_work_launched_after_them():
+    """`chosen` waits for the copies `draw` started, not for the stream: a step launched ahead (here one long sleep
+    kernel) still runs when the tokens are read. (The H200 run of 2026-12-05 read them with `.tolist()`, which
+    queued the copy behind the step launched ahead, so overlap_steps could not overlap anything.)"""
+    from backends.llm.sampling import chosen, draw
+    from backends.llm.sequence import Sequence
+
+    logits = torch.randn(3, 100, device="cuda")
+    seqs = [Sequence([1], SamplingParams(max_tokens=4)), Sequence([1], SamplingParams(temperature=0.7, seed=1)),
+            Sequence([1], SamplingParams(max_tokens=4))]
+    drawn = draw(logits, seqs, ())
+    torch.cuda._sleep(4_000_000_000)  # about 2 s on the GPU, queued behind the copies
+    tokens = chosen(drawn)
+    assert not torch.cuda.current_stream().query()  # the sleep still runs
+    greedy = logits.argmax(-1).tolist()
+    assert tokens[0] == greedy[0] and tokens[2] == greedy[2] and 0 <= tokens[1] < 100
+    torch.cuda.synchronize()
+
+
 def test_text_of_ids_equals_the_tokenizers_decode(checkpoint):
     """The detokeniser's shortcut to the fast tokenizer's backend gives `decode(ids, skip_special_tokens=True)`,
     special tokens, partial UTF-8 and all."""

@@ -231,7 +231,8 @@ if [[ " ${SCENARIOS:-images} " == *" fp8-engine "* ]]; then
     --scenario llm-engine-fp8-default --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" overlap "* ]]; then  # the next step launched before this one's text is decoded
-  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llm_engine.py -k "(overlap or graphs or ahead or drawn) and not waits"
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llm_engine.py \
+    -k "(overlap or graphs or ahead or drawn) and not waits"
   # what to know, not a gate for the measurement: whether launching a step ahead waits for the device anywhere
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llm_engine.py -k "never_waits" || echo "== it waits (above)"
   "$py" -m perf.llm_engine --random-init llama-3-8b \

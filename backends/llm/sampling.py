@@ -38,8 +38,8 @@ class Drawn:
     tokens: torch.Tensor  # [B]
     failed: dict[int, Exception]  # rows known to fail already (an injected fault)
     rows: list[int]  # the sampled rows
-    finite: torch.Tensor | None  # whether each sampled row's probabilities were finite
-    on_host: tuple[torch.Tensor, torch.Tensor | None]  # (tokens, finite) on their way to pinned host memory
+    on_host: tuple[torch.Tensor, torch.Tensor | None]  # (tokens, whether each sampled row's probabilities were
+    # finite), on their way to pinned host memory
     copied: torch.cuda.Event | None  # recorded after those copies (on a GPU)
 
 
@@ -70,7 +70,7 @@ def draw(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -
         drawn, finite = _sample_rows(logits[index], [seqs[i] for i in rows])
         tokens = tokens.index_copy(0, index, drawn)
     on_host, copied = _copy_to_host([tokens, finite])
-    return Drawn(tokens, failed, rows, finite, tuple(on_host), copied)
+    return Drawn(tokens, failed, rows, tuple(on_host), copied)
 
 
 def chosen(drawn: Drawn) -> list[int | Exception]:

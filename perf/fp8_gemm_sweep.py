@@ -3,10 +3,12 @@
 For Llama-3-8B's four projections at 2 to 256 rows: bf16 `F.linear`, W8A8 (`torch._scaled_mm` after the per-token
 quantization, as the engine runs it), and weights-only FP8 two ways: each weight widened to bf16 before `F.linear`
 (the engine's path before the kernel, still its path above fp8.FP8_GEMM_MAX_ROWS) and the Triton GEMM with its
-default configuration; at some row counts every configuration of a bounded grid too. Each variant runs in one CUDA
-graph over enough weight copies (>= 256 MiB) that L2 holds none of them (perf.fp8_layers' timing); every kernel
-configuration is checked against the float64 product first. Kernels are compiled by worker processes first (Triton
-caches them on disk), so the sweep fits a short lease.
+default configuration; at some row counts every configuration of a bounded grid too. Beside them the GEMV kernels
+(backends/llm/gemv.py, the engine's one-token path; FP8 weights only and W8A8), so `--rows 1 --sweep-rows 1` says
+whether a tensor-core GEMM (rows padded to 16) would read the weights faster than the GEMV at batch 1. Each
+variant runs in one CUDA graph over enough weight copies (>= 256 MiB) that L2 holds none of them (perf.fp8_layers'
+timing); every kernel configuration is checked against the float64 product first. Kernels are compiled by worker
+processes first (Triton caches them on disk), so the sweep fits a short lease.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import triton
 
 from backends.llm.fp8 import quantize_tokens
 from backends.llm.fp8_gemm import GemmConfig, default_config, fp8_weight_matmul, swapped
+from backends.llm.gemv import gemv
 from perf.gemv_sweep import SHAPES, error, graph_time_us, weights
 from perf.report import hardware_line, stem, write_table
 
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             bf16_us = graph_time_us(lambda w: F.linear(x, w[0]), bf16)
             w8a8_us = graph_time_us(lambda w: scaled_mm(x, *w), copies)
             widened_us = graph_time_us(lambda w: widened(x, *w), copies)
+            gemv_us = [graph_time_us(lambda w: gemv(x, *w, quantize_input=q), copies) for q in (False, True)]
             kernel_w8a8 = []
             for c in (jobs[name, m][0], swapped(jobs[name, m][0])):  # checked against cuBLAS' W8A8 first
                 try:
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} M={m} W8A8 kernel {label(c)}: {type(exc).__name__}: {exc}", flush=True)
                     kernel_w8a8.append(math.nan)
             rows.append([name, f"{n}x{k}", m, f"{bf16_us:.1f}", f"{w8a8_us:.1f}",
-                         *(f"{us:.1f}" for us in kernel_w8a8), f"{widened_us:.1f}",
+                         *(f"{us:.1f}" for us in kernel_w8a8), *(f"{us:.1f}" for us in gemv_us), f"{widened_us:.1f}",
                          f"{default_us:.1f}", label(jobs[name, m][0]), f"{best_us:.1f}", label(best),
                          f"{n * k / default_us / 1e3:.0f}", f"{bf16_us / default_us:.2f}"])
             print(*rows[-1], sep=" | ", flush=True)
@@ -155,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
              "weights, so L2 holds none), per call. GB/s: FP8 weight bytes per second of the kernel's default.",
              "w8a8: the input quantized per token (one torch.compile'd kernel) and cuBLAS' FP8 GEMM; w8a8 kernel: the "
              "same quantization, then backends/llm/fp8_gemm.py on the E4M3 inputs with their row scales (FP8 tensor "
-             "cores), its default configuration and that configuration swapped; widened: each "
+             "cores), its default configuration and that configuration swapped; gemv: backends/llm/gemv.py with its "
+             "default configuration, weights only (w8a16) or after its prepare kernel's per-token quantization "
+             "(w8a8); widened: each "
              "E4M3 weight converted to bf16, F.linear, the per-channel scale after (the engine's weights-only path "
              "before fp8_gemm.py); kernel: backends/llm/fp8_gemm.py, config BLOCK_M/BLOCK_N/BLOCK_K/SPLIT_K/warps/"
              "stages[/swap: the transposed product, weights as the MMA's first operand], its default "
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
              f"All configurations: {base.name}.csv. Command: `python -m perf.fp8_gemm_sweep`."]
     path = write_table(args.results / args.host, "fp8-gemm-sweep",
                        ["layer", "N x K", "rows", "bf16 us", "w8a8 us", "w8a8 kernel us", "w8a8 kernel swapped us",
-                        "w8a16 widened us", "w8a16 kernel us",
+                        "w8a16 gemv us", "w8a8 gemv us", "w8a16 widened us", "w8a16 kernel us",
                         "kernel config", "best us", "best config", "kernel GB/s", "bf16 / kernel"], rows,
                        hardware_line("n/a (in-process)"), notes)
     print(path.read_text())

@@ -77,6 +77,8 @@ class EngineConfig(QosParams):
     # no limit; overdue ones always start)
     qos_lower_tokens: int | None = bounded(2048, 1)  # and in steps of at most this many prompt tokens (a longer
     # prompt alone); unset: max_prefill_tokens
+    qos_lower_step_ms: float = bounded(25.0, 0)  # and of at most the prompt tokens that recent prefill steps computed
+    # in this time: how long one such step holds the higher class up (0: no such cap)
     decode_attention: str = choice("paged", "gather")  # paged: the Triton kernel reading KV blocks in place (CUDA);
     # gather: copy each sequence's blocks, then SDPA (the reference; what runs on the CPU)
     decode_linear: str = choice("gemv", "library")  # gemv: one-token steps run their linear layers as the Triton
@@ -197,7 +199,7 @@ class LLMEngine:
                                    chunk_tokens=config.chunk_tokens, adapters=self.adapters,
                                    lower_share=config.qos_lower_share, lower_tokens=config.qos_lower_tokens,
                                    prompt_rows=config.prompt_rows, lower_rides=config.qos_lower_rides,
-                                   max_rows=self.decode_rows)
+                                   max_rows=self.decode_rows, lower_step_s=config.qos_lower_step_ms / 1e3)
         self.qos = QosPolicy(config)
         self.proposer = None
         if config.speculative == "ngram":
@@ -469,7 +471,7 @@ class LLMEngine:
         now = time.monotonic()  # sampling has brought the tokens to the host: it is over
         seconds = now - max(launched.started, self.completed_at)  # (launched ahead: it ran from the last one's end)
         self.completed_at = now
-        self.scheduler.yielded(seconds, launched.lower)
+        self.scheduler.yielded(seconds, launched.lower, launched.prompt_tokens if launched.is_prefill else 0)
         self.stats.prefill_tokens += launched.prompt_tokens
         if launched.is_prefill:
             self.stats.prefill_steps += 1

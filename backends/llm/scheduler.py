@@ -34,7 +34,7 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=qos_order,
                  chunk_tokens: int | None = None, adapters: AdapterCache | None = None,
                  lower_share: float = 1.0, lower_tokens: int | None = None, prompt_rows: int = 0,
-                 lower_rides: bool = False, max_rows: int | None = None):
+                 lower_rides: bool = False, max_rows: int | None = None, lower_step_s: float = 0.0):
         self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
         # decode steps of at most `max_rows` rows take up to `prompt_rows` prompt tokens (whole prompts, and with
         # `lower_rides` chunks of lower-class ones, see `_prefill`)
@@ -42,8 +42,10 @@ class Scheduler:
         self.adapters = adapters
         self.chunk_tokens = chunk_tokens  # None: a prefill step runs alone; else the token budget of mixed steps
         # while a higher QoS class runs, lower-class prompts start in at most `lower_share` of the engine's time, in
-        # steps of at most `lower_tokens` prompt tokens (see `_prefill`)
-        self.lower, self.lower_tokens = LowerShare(lower_share), lower_tokens
+        # steps of at most `lower_tokens` prompt tokens and of what prefill steps compute in `lower_step_s` (0: no
+        # such cap; see `_prefill`)
+        self.lower, self.lower_tokens, self.lower_step_s = LowerShare(lower_share), lower_tokens, lower_step_s
+        self.prefill_token_s: float | None = None  # seconds a prompt token took in recent prefill steps (moving mean)
         self.lower_step = False  # the step scheduled last started lower-class prompts beside a higher class
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -90,7 +92,9 @@ class Scheduler:
         stream of heavy low-class prompts (4K images) sets the pace of a high-class chat. With `lower_rides`, such a
         text prompt starts only in a decode step, in chunks of the rows left (which then cost the higher class a
         wider step, not a wait); else (and with images) only when the lower classes' share of time allows
-        (`yielded`) and within `lower_tokens`."""
+        (`yielded`), within `lower_tokens` and within the tokens recent prefill steps computed in `lower_step_s`: the
+        share bounds how much of the time the higher class waits, this how long one wait lasts (its latency's tail),
+        in seconds whatever the model and device (a prompt longer than that still starts, alone)."""
         partial = sorted((s for s in self.running if s.num_tokens - s.num_cached > 1), key=self.order)
         top = min((s.ticket.rank for s in self.running), default=None)
         chosen = []
@@ -103,7 +107,7 @@ class Scheduler:
             if lower and not rides_lower and not self.lower_step:  # the first lower prompt (the rest are lower too)
                 if self.lower.closed(self.now):
                     break
-                budget = min(budget, self.lower_tokens or budget)
+                budget = min(budget, self.lower_tokens or budget, self._lower_step_tokens() or budget)
             if budget <= 0:
                 break
             remaining = seq.num_tokens - seq.num_cached
@@ -132,12 +136,22 @@ class Scheduler:
             chosen.append(seq)
         return chosen
 
-    def yielded(self, seconds: float, lower_step: bool) -> None:
+    def yielded(self, seconds: float, lower_step: bool, prefill_tokens: int = 0) -> None:
         """The engine ran a step in `seconds`: when it started lower-class prompts beside a higher class
         (`lower_step` as its scheduling left it), the next such step waits until the lower classes' time is back
-        within their share."""
+        within their share. `prefill_tokens`: the prompt tokens of a prefill step (0 for decode steps), which time
+        the prompt tokens a lower step may take."""
         if lower_step:
             self.lower.spent(seconds, time.monotonic())
+        if prefill_tokens:
+            token_s, last = seconds / prefill_tokens, self.prefill_token_s
+            self.prefill_token_s = token_s if last is None else 0.8 * last + 0.2 * token_s
+
+    def _lower_step_tokens(self) -> int | None:
+        """The prompt tokens a lower-class step may take by `lower_step_s` (None: no cap yet)."""
+        if not self.lower_step_s or not self.prefill_token_s:
+            return None
+        return max(1, int(self.lower_step_s / self.prefill_token_s))
 
     def _make_room(self, seq: Sequence, chosen: list[Sequence]) -> bool:
         """A full batch takes a waiting sequence of a higher QoS class by preempting the running sequence last in

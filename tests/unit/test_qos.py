@@ -196,7 +196,7 @@ def test_an_overdue_request_is_not_preempted_for_a_higher_class(engine):
 def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_higher_class_runs():
     engine = LLMEngine(tiny_checkpoint("llm", ROOT / ".checkpoints"),
                        EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=4,
-                                    qos_lower_share=0.01, qos_lower_tokens=8))
+                                    qos_lower_share=0.01, qos_lower_tokens=8, qos_lower_step_ms=0))
     qos, scheduler = engine.qos, engine.scheduler
     tokens = engine.tokenizer.encode
     short = [tokens("a b c d e f g")[:6], tokens("h i j k l m n")[:6]]
@@ -219,6 +219,33 @@ def test_lower_class_prompts_start_in_their_share_of_time_and_token_cap_while_a_
     assert lows[1].finish_reason == "length" and high.finish_reason == "length"
     assert engine.stats.prefill_seconds > 0 and engine.stats.decode_seconds > 0
     assert engine.stats.prefill_tokens == sum(len(s.prompt_ids) for s in (high, *lows, overdue))
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("step_ms", [1.0, 0.0])
+def test_a_lower_class_step_takes_the_prompt_tokens_recent_prefill_steps_computed_in_its_time(step_ms):
+    """`qos_lower_step_ms`: at 0.1 ms a prompt token (the prefill steps' moving mean), a 1 ms step takes 10 tokens:
+    of two 6-token low prompts one starts, the other in a step of its own (a prompt longer than the cap starts alone);
+    with no time cap (0) both start together."""
+    engine = LLMEngine(tiny_checkpoint("llm", ROOT / ".checkpoints"),
+                       EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=4, prompt_rows=0,
+                                    qos_lower_share=1, qos_lower_tokens=None, qos_lower_step_ms=step_ms))
+    qos, scheduler = engine.qos, engine.scheduler
+    high = engine.add("urgent", SamplingParams(max_tokens=20, min_tokens=20), ticket=qos.ticket("high"))
+    engine.step()
+    assert scheduler.prefill_token_s > 0  # timed by that prefill step
+    scheduler.prefill_token_s = 1e-4
+    short = [engine.tokenizer.encode(text)[:6] for text in ("a b c d e f g", "h i j k l m n")]
+    lows = [engine.add(p, SamplingParams(max_tokens=2, min_tokens=2), ticket=qos.ticket("low")) for p in short]
+    engine.step()
+    assert scheduler.running == ([high, lows[0]] if step_ms else [high, *lows])
+    if step_ms:
+        engine.step()  # the cap has followed this machine's real prefill steps, and the second prompt starts alone
+        assert lows[1] in scheduler.running and engine.stats.prefill_tokens == len(high.prompt_ids) + 12
+    scheduler.prefill_token_s = 1e-4
+    scheduler.yielded(0.004, False, prefill_tokens=4)  # 1 ms a token: the moving mean moves a fifth of the way
+    assert scheduler.prefill_token_s == pytest.approx(0.8e-4 + 0.2e-3)
+    run_to_end(engine)
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

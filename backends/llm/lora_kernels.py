@@ -102,7 +102,8 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
         in_tile = m < count
         rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
         xa0 = _tile_xa(xa_ptr, rows, in_tile, r, 0, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
-        xa1 = _tile_xa(xa_ptr, rows, m < tl.where(rank1 > 0, count, 0), r, 1, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
+        xa1 = _tile_xa(xa_ptr, rows, m < tl.where(rank1 > 0, count, 0), r, 1, part, rows_total, PARTS, SPLITS, MIXED,
+                       R_PAD, BM)
         xa0, xa1 = xa0.to(b_ptr.dtype.element_ty), xa1.to(b_ptr.dtype.element_ty)
         for block in tl.static_range(CHUNK):
             cols = first + block * BN + n

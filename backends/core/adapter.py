@@ -152,8 +152,7 @@ class BatchedBackend(TritonBackend[P]):
         else:
             max_batch = self.batch_limit()
             # requests prepared in QoS order too, at most a batch (and a round of the pool) ahead of the engine
-            self.pool = QosPool(threads, self.name, ahead=max_batch + threads, nice=self.params.prepare_nice,
-                                express=self.params.prepare_express)
+            self.pool = QosPool(threads, self.name, ahead=max_batch + threads, nice=self.params.prepare_nice)
             if "dynamic_batching" in self.model_config:
                 log.warning("%s: batch_window %s with Triton's dynamic batcher too: requests wait in both",
                             self.name, self.params.batch_window)

@@ -46,7 +46,6 @@ class BatchingParams(QosParams):
     # niceness added to the prepare threads: decoding yields the CPU to the thread that admits requests, so under
     # overload the excess is refused at once instead of queueing in Triton before `execute` (perf.overload)
     prepare_nice: int = bounded(5, 0, 19)
-    prepare_express: int = bounded(1, 0, 16)  # more threads that prepare only the high class's requests (not nicer)
 
 
 class BatchWindow:

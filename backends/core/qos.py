@@ -230,15 +230,10 @@ class QosPool:
     `ahead` tasks of class c or higher have run without their requests starting (their tickets still queued). Under
     overload the requests that would wait anyway are not decoded early, so the CPU (and the device memory their images
     would hold) stays with the requests being served; the consumer calls `kick` when requests start. With `nice`, its
-    threads run that much nicer than the rest of the process.
+    threads run that much nicer than the rest of the process."""
 
-    `express` more threads (not made nicer) take work of the highest class only: under overload every thread may be
-    busy with a lower class's long task (a 4K photo's decoding), and a high request's small image would wait for one
-    of them to finish."""
-
-    def __init__(self, threads: int, name: str, ahead: int | None = None, nice: int = 0, express: int = 0):
+    def __init__(self, threads: int, name: str, ahead: int | None = None, nice: int = 0):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=lower_priority, initargs=(nice,))
-        self._express = ThreadPoolExecutor(express, thread_name_prefix=f"{name}-express") if express else None
         self._queued: list[tuple[Ticket, int, Future, Callable, tuple]] = []
         self._lock = threading.Lock()
         self._order = itertools.count()  # ties: first submitted first
@@ -251,8 +246,6 @@ class QosPool:
         with self._lock:
             self._queued.append((ticket, next(self._order), future, fn, args))
         self._pool.submit(self._run_next)  # one run per task; each takes whichever task comes first by then
-        if self._express is not None and ticket.rank == 0:
-            self._express.submit(self._run_next, True)  # and one more for the highest class's
         return future
 
     def kick(self) -> None:
@@ -268,14 +261,12 @@ class QosPool:
     def _room(self, ticket: Ticket) -> bool:
         return self.ahead is None or sum(t.rank <= ticket.rank for t in self._ran) < self.ahead
 
-    def _run_next(self, express: bool = False) -> None:
+    def _run_next(self) -> None:
         now = time.monotonic()
         with self._lock:
-            ready = [queued for queued in self._queued
-                     if (queued[0].rank == 0 or not express) and self._room(queued[0])]
+            ready = [queued for queued in self._queued if self._room(queued[0])]
             if not ready:
-                if self._queued and not express:  # (none queued: an express run took this run's task)
-                    self._parked += 1
+                self._parked += 1
                 return
             item = min(ready, key=lambda queued: (queued[0].key(now), queued[1]))
             self._queued.remove(item)
@@ -299,8 +290,6 @@ class QosPool:
         for _ in range(parked):
             self._pool.submit(self._run_next)
         self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
-        if self._express is not None:
-            self._express.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 def read_qos_class(parameters: dict) -> str | None:

@@ -80,8 +80,7 @@ class TritonPythonModel(LLMBackend):
         log.info("images prepared %s", f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}"
                  if self.on_device else "on the CPU by Pillow, as transformers' processor")
         # images decoded in QoS order, at most a batch (and a round of the pool) ahead of the engine
-        self.pool = QosPool(params.prepare_threads, "vlm-image", ahead=params.max_batch + params.prepare_threads,
-                            express=params.prepare_express)  # (not nicer: the engine then ran short of images)
+        self.pool = QosPool(params.prepare_threads, "vlm-image", ahead=params.max_batch + params.prepare_threads)
         self.features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> visual features, LRU
         self.features_lock = threading.Lock()  # read by the image threads, written by the engine loop
 

@@ -24,7 +24,6 @@ class VLMParams(EngineConfig):
     """The `mm_vlm` backend's parameters: the LLM engine's, plus how images are prepared."""
 
     prepare_threads: int = bounded(4, 1, 256)  # image decode + tiling threads per instance
-    prepare_express: int = bounded(1, 0, 16)  # more threads that prepare only the high class's images (not nicer)
     preprocess_on_device: bool = False  # decode (nvJPEG) and resize on the model's device instead of Pillow
     visual_keep_ratio: float = bounded(1.0, 0, 1, low_open=True)  # share of tile tokens kept (highest norm)
     image_cache: int = bounded(8, 0)  # visual features of this many recent images kept on the device (0: off);

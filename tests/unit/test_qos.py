@@ -325,43 +325,6 @@ def test_the_pool_runs_work_at_most_ahead_of_its_consumer_by_class():
     assert parked.result(timeout=5) == "at shutdown"
 
 
-def test_an_express_thread_runs_the_highest_class_while_every_pool_thread_is_busy_with_a_lower_one():
-    """`express`: a high request's image is prepared at once (not after a 4K photo ahead of it), a normal one waits
-    for a pool thread; every task runs once, and an express run that finds its task taken parks nothing."""
-    import os
-
-    pool = QosPool(1, "test-express", nice=5, express=1)
-    gate, holding, ran = threading.Event(), threading.Event(), []
-
-    def hold() -> bool:
-        holding.set()
-        return gate.wait(5)
-
-    def record(name: str) -> int:
-        ran.append(name)
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    try:
-        busy = pool.submit(POLICY.ticket("low"), hold)
-        assert holding.wait(5)
-        normal = pool.submit(POLICY.ticket("normal"), record, "normal")
-        high = pool.submit(POLICY.ticket("high"), record, "high")
-        assert high.result(timeout=5) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # not nicer
-        time.sleep(0.1)
-        assert ran == ["high"] and not normal.done()  # the express thread takes the highest class only
-        gate.set()
-        assert busy.result(timeout=5) is True and normal.result(timeout=5) >= 0
-        highs = [pool.submit(POLICY.ticket("high"), record, f"high {i}") for i in range(20)]
-        for future in highs:
-            future.result(timeout=5)
-        time.sleep(0.1)
-        assert sorted(ran) == sorted(["high", "normal", *(f"high {i}" for i in range(20))])  # each task once
-        assert pool._parked == 0
-    finally:
-        gate.set()
-        pool.shutdown()
-
-
 def test_the_pools_threads_run_at_the_niceness_asked_and_others_keep_theirs():
     """Under our batcher the prepare threads yield the CPU (`prepare_nice`): the thread that admits requests must not
     wait behind image decoding (perf.overload), and only the pool's own threads are lowered."""

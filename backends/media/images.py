@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from backends.core.errors import InvalidInput
 
@@ -58,6 +58,27 @@ def load_rgb(image: Image.Image) -> Image.Image:
         raise
     except Exception as exc:  # as in open_image: whatever a plugin raises on bad data
         raise InvalidInput(f"image data is corrupt or truncated: {type(exc).__name__}: {exc}") from None
+
+
+def turned(image: Image.Image) -> bool:
+    """Whether the file stores the image a quarter turn from how its EXIF orientation says to show it."""
+    return image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8)
+
+
+def oriented_size(image: Image.Image) -> tuple[int, int]:
+    """(height, width) of an opened image as shown (EXIF orientation honoured), read from the header alone."""
+    width, height = image.size
+    return (width, height) if turned(image) else (height, width)
+
+
+def decode_reduced(image: Image.Image, height: int, width: int) -> None:
+    """Let an opened JPEG decode at the smallest of its DCT scales (1/2, 1/4, 1/8) that keeps at least height x
+    width (oriented): a 4K photo bound for 672 px tiles decodes at 1/4, about 3x faster, and leaves 1/16 of the
+    pixels to resize. Not pixel-exact with a full decode then resize (transformers' processor); other formats and
+    JPEGs too small to reduce decode as they are."""
+    if image.format != "JPEG":
+        return
+    image.draft(None, (height, width) if turned(image) else (width, height))
 
 
 def check_resize(width: int, height: int, target: tuple[int, int], max_pixels: int = DEFAULT_MAX_PIXELS) -> None:

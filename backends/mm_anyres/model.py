@@ -10,7 +10,7 @@ import numpy as np
 
 from backends.core.adapter import BatchedBackend
 from backends.core.inputs import Inputs
-from backends.media.images import ImagePreprocessor, decode_image
+from backends.media.images import ImagePreprocessor
 from backends.vision.anyres import AnyResParams, AnyResPlan, image_processor_config, tiler_from_checkpoint
 
 
@@ -25,7 +25,7 @@ class TritonPythonModel(BatchedBackend[AnyResParams]):
         return [inputs.blob("image", "encoded image")]
 
     def prepare(self, data: bytes) -> tuple[np.ndarray, AnyResPlan]:
-        return self.tiler.tiles(decode_image(data), self.preprocess)
+        return self.tiler.tiles_of_file(data, self.preprocess, self.params.decode_reduced)
 
     def infer(self, batch: list[list[tuple[np.ndarray, AnyResPlan]]]) -> list[tuple[np.ndarray, AnyResPlan]]:
         return [tiled for tiled, in batch]  # the work was the preparation

@@ -38,7 +38,7 @@ from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.core.qos import QosPool, Ticket
 from backends.media import device_images
-from backends.media.images import ImagePreprocessor, decode_image
+from backends.media.images import ImagePreprocessor
 from backends.mm_llm.model import EngineInput, Pending
 from backends.mm_llm.model import TritonPythonModel as LLMBackend
 from backends.vision.anyres import AnyResPlan, image_processor_config, tiler_from_checkpoint
@@ -121,7 +121,7 @@ class TritonPythonModel(LLMBackend):
             pixels = device_images.decode_to_device(image, self.engine.device, self.nvjpeg)
             tiles, plan = device_images.anyres_tiles(self.tiler, pixels, self.preprocess)
         else:
-            tiles, plan = self.tiler.tiles(decode_image(image), self.preprocess)
+            tiles, plan = self.tiler.tiles_of_file(image, self.preprocess, self.params.decode_reduced)
         return PreparedImage(expand_placeholder(ids, self.placeholder_id, plan.num_image_tokens), key, tiles, plan)
 
     def _admit(self) -> None:

@@ -15,7 +15,7 @@ from PIL import Image
 
 from backends.core.batcher import BatchingParams
 from backends.core.params import bounded
-from backends.media.images import ImagePreprocessor
+from backends.media.images import ImagePreprocessor, decode_reduced, load_rgb, open_image, oriented_size
 
 LLAVA_1_6_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 
@@ -26,6 +26,8 @@ class AnyResParams(BatchingParams):
     """The `mm_anyres` backend's parameters."""
 
     prepare_threads: int = bounded(4, 1, 256)  # decode + tiling threads per instance
+    decode_reduced: bool = False  # JPEGs decoded at the smallest DCT scale the resizes allow: faster, not
+    # pixel-exact with transformers' processor (backends.media.images.decode_reduced)
 
 def grid_pinpoints(max_tiles: int, tile: int) -> tuple[tuple[int, int], ...]:
     """An "anyres_max_N" style list: every grid of rows x cols tiles with rows * cols <= N, in pixels (h, w)."""
@@ -126,9 +128,27 @@ class AnyResTiler:
     def kept_grid_tokens(self, grid_tokens: int) -> int:
         return grid_tokens if self.keep_ratio >= 1 else max(1, math.ceil(self.keep_ratio * grid_tokens))
 
-    def tiles(self, image: Image.Image, preprocess: ImagePreprocessor) -> tuple[np.ndarray, AnyResPlan]:
-        """float32 [1 + rows * cols, 3, tile, tile]: the thumbnail, then the tiles row by row."""
-        plan = self.plan(image.height, image.width)
+    def source_size(self, height: int, width: int, preprocess: ImagePreprocessor) -> tuple[int, int]:
+        """(height, width) that the tiles and the thumbnail of a height x width image are resized from without
+        upscaling: what a reduced decode must keep."""
+        (fit_h, fit_w), (thumb_h, thumb_w) = self.plan(height, width).resized, thumbnail_size(preprocess)
+        return min(height, max(fit_h, thumb_h)), min(width, max(fit_w, thumb_w))
+
+    def tiles_of_file(self, data: bytes, preprocess: ImagePreprocessor,
+                      reduced: bool = False) -> tuple[np.ndarray, AnyResPlan]:
+        """An image file decoded, then tiled; `reduced`: a JPEG decoded at the smallest DCT scale that keeps the
+        sizes its resizes need (decode_reduced)."""
+        image = open_image(data)
+        size = oriented_size(image)
+        if reduced:
+            decode_reduced(image, *self.source_size(*size, preprocess))
+        return self.tiles(load_rgb(image), preprocess, size)
+
+    def tiles(self, image: Image.Image, preprocess: ImagePreprocessor,
+              size: tuple[int, int] | None = None) -> tuple[np.ndarray, AnyResPlan]:
+        """float32 [1 + rows * cols, 3, tile, tile]: the thumbnail, then the tiles row by row. `size`: the image's
+        (height, width) before a reduced decode (backends.media.images.decode_reduced), which the plan is made of."""
+        plan = self.plan(*(size or (image.height, image.width)))
         resample = Image.Resampling(preprocess.resample)
         fitted = np.asarray(image.resize(plan.resized[::-1], resample=resample), dtype=np.uint8)
         (top, extra_y), (left, extra_x) = (divmod(c - r, 2) for c, r in zip(plan.canvas, plan.resized))
@@ -137,8 +157,12 @@ class AnyResTiler:
         rows, cols = plan.grid
         tiles = canvas.reshape(rows, self.tile, cols, self.tile, 3).transpose(0, 2, 1, 3, 4).reshape(-1, self.tile,
                                                                                                      self.tile, 3)
-        size = preprocess.size  # the thumbnail: the whole image squashed to the processor's size
-        thumb_h, thumb_w = (size["height"], size["width"]) if "height" in size else (size["shortest_edge"],) * 2
-        thumbnail = image.resize((thumb_w, thumb_h), resample=resample)
+        thumbnail = image.resize(thumbnail_size(preprocess)[::-1], resample=resample)
         pieces = [thumbnail, *(Image.fromarray(t) for t in tiles)]
         return preprocess.batch(pieces), plan
+
+
+def thumbnail_size(preprocess: ImagePreprocessor) -> tuple[int, int]:
+    """(height, width) of the thumbnail: the whole image squashed to the processor's size."""
+    size = preprocess.size
+    return (size["height"], size["width"]) if "height" in size else (size["shortest_edge"],) * 2

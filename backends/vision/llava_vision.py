@@ -25,6 +25,8 @@ class VLMParams(EngineConfig):
 
     prepare_threads: int = bounded(4, 1, 256)  # image decode + tiling threads per instance
     preprocess_on_device: bool = False  # decode (nvJPEG) and resize on the model's device instead of Pillow
+    decode_reduced: bool = False  # Pillow: JPEGs decoded at the smallest DCT scale the resizes allow: faster, not
+    # pixel-exact with transformers' processor (backends.media.images.decode_reduced)
     visual_keep_ratio: float = bounded(1.0, 0, 1, low_open=True)  # share of tile tokens kept (highest norm)
     image_cache: int = bounded(8, 0)  # visual features of this many recent images kept on the device (0: off);
     # outside the KV budget: an 8B model's 2,000-token image takes 16 MB

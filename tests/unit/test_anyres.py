@@ -12,7 +12,7 @@ from transformers.image_utils import ChannelDimension
 
 from backends.media.images import ImagePreprocessor
 from backends.vision.anyres import LLAVA_1_6_PINPOINTS, AnyResTiler, grid_pinpoints
-from tests.conftest import random_image
+from tests.conftest import encode, random_image
 
 RNG = np.random.default_rng(7)
 SIZES = [tuple(int(v) for v in RNG.integers(32, 8001, 2)) for _ in range(200)]
@@ -60,3 +60,41 @@ def test_tiles_equal_transformers_pixels(processors, height, width):
     assert tiles.shape == expected["pixel_values"][0].shape == (plan.num_tiles, 3, 336, 336)
     np.testing.assert_array_equal(tiles, expected["pixel_values"][0])
     assert list(expected["image_sizes"][0]) == [height, width]
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_a_reduced_decode_keeps_the_plan_and_stays_close_to_the_exact_tiles(processors, orientation):
+    """A 3840x2160 photo JPEG (as shown) decodes at 1/4 scale, no smaller than its 672x378 fit and the 336 px
+    thumbnail; the tiles' plan comes from its full size, and their pixels stay within a few levels of the exact
+    ones. Stored turned (EXIF 6), the reduction is asked for in the stored orientation."""
+    from PIL import Image
+
+    from backends.media.images import decode_reduced, open_image
+    from perf.inputs import photo_like
+
+    _, preprocess = processors
+    shown = photo_like(3840, 2160, seed=3)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored = shown if orientation == 1 else shown.transpose(Image.Transpose.ROTATE_90)  # 6: shown turned clockwise
+    data = encode(stored, "JPEG", quality=90, exif=exif.tobytes())
+    tiler = AnyResTiler(LLAVA_1_6_PINPOINTS)
+    assert tiler.source_size(2160, 3840, preprocess) == (378, 672)
+    image = open_image(data)
+    decode_reduced(image, 378, 672)
+    image.load()
+    assert image.size == ((960, 540) if orientation == 1 else (540, 960))  # stored orientation, 1/4 scale
+
+    exact, exact_plan = tiler.tiles_of_file(data, preprocess)
+    reduced, plan = tiler.tiles_of_file(data, preprocess, reduced=True)
+    assert plan == exact_plan and plan.image_size == (2160, 3840)
+    difference = np.abs(reduced - exact)  # normalised units: a pixel level is about 0.015
+    assert difference.mean() < 0.01 and difference.max() < 0.15, (difference.mean(), difference.max())
+
+
+def test_a_reduced_decode_leaves_small_jpegs_and_other_formats_as_they_are(processors):
+    _, preprocess = processors
+    tiler = AnyResTiler(LLAVA_1_6_PINPOINTS)
+    for data in (encode(random_image(1024, 768, seed=5), "JPEG"), encode(random_image(3840, 2160, seed=5), "PNG")):
+        exact, _ = tiler.tiles_of_file(data, preprocess)
+        np.testing.assert_array_equal(tiler.tiles_of_file(data, preprocess, reduced=True)[0], exact)

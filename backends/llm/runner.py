@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 GRAPH_PIECES = 4  # decode graphs captured as this many graphs of consecutive layers, replayed one after the other:
 # the GPU starts on the first while the host launches the rest. On the H200 (Llama-3-8B shapes, bf16, one run against
 # whole graphs; perf/results/h200/2026-12-05-llm-engine-pieces.md) batch 1 1.05x, 64 x 128/128 1.08x
+GRAPH_RAMP = False  # pieces of 1, 2, 4, ... layers instead (the last takes the rest): the GPU starts once one layer's
+# kernels are launched, and each later launch has the time of the pieces before it (unmeasured: perf.llm_engine "ramp")
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # padding <= 1.5x
 
 
@@ -58,6 +60,19 @@ def lora_row(seq: Sequence) -> tuple[list[int], list[float]]:
     """The sequence's (slots, weights) padded to MIXED; weight = the adapter's alpha/r times its share."""
     pad = MIXED - len(seq.lora)
     return seq.lora_slots + [0] * pad, [share * adapter.scaling for adapter, share in seq.lora] + [0.0] * pad
+
+
+def piece_bounds(layers: int) -> list[int]:
+    """Where the decode graph's pieces start and end, in layers: GRAPH_PIECES equal ones, or with GRAPH_RAMP each
+    twice the one before (a last one shorter than the one before it joins it)."""
+    if not GRAPH_RAMP:
+        pieces = max(1, min(GRAPH_PIECES, layers))
+        return [round(i * layers / pieces) for i in range(pieces + 1)]
+    bounds = [0]
+    while bounds[-1] < layers:
+        end = 2 * bounds[-1] + 1
+        bounds.append(layers if layers - end < end - bounds[-1] else end)
+    return bounds
 
 
 class GraphPieces:
@@ -301,13 +316,14 @@ class ModelRunner:
         return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta, lora=lora))
 
     def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph | GraphPieces, torch.Tensor]:
-        pieces = min(GRAPH_PIECES, len(self.model.layers))
+        bounds = piece_bounds(len(self.model.layers))
+        pieces = len(bounds) - 1
         if pieces <= 1:
             return self.record(lambda: self.forward_static(batch, width))
         # piece i runs layers bounds[i]..bounds[i + 1]; the first also embeds, the last also computes the logits. A
         # piece's output (and the first's metadata and rotary tables) is the next one's input: `held` keeps the
         # tensors of the last call, the captured ones
-        model, bounds, held = self.model, [round(i * len(self.model.layers) / pieces) for i in range(pieces + 1)], {}
+        model, held = self.model, {}
 
         def piece(i: int) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:

@@ -350,19 +350,30 @@ def test_prefill_graphs_give_the_eager_tokens_on_a_gpu(checkpoint):
     assert outputs[0] == outputs[1]
 
 
+def test_graph_pieces_split_the_layers_evenly_or_doubling(monkeypatch):
+    from backends.llm import runner
+
+    monkeypatch.setattr(runner, "GRAPH_PIECES", 4)
+    assert runner.piece_bounds(32) == [0, 8, 16, 24, 32] and runner.piece_bounds(2) == [0, 1, 2]
+    monkeypatch.setattr(runner, "GRAPH_RAMP", True)
+    assert runner.piece_bounds(32) == [0, 1, 3, 7, 15, 32]  # (a last piece of 1 layer joins the one before)
+    assert runner.piece_bounds(80) == [0, 1, 3, 7, 15, 31, 80] and runner.piece_bounds(2) == [0, 1, 2]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
 def test_decode_graphs_in_pieces_give_the_whole_graphs_tokens(checkpoint, monkeypatch):
     from backends.llm import runner
 
     params = SamplingParams(max_tokens=24, min_tokens=24)
     outputs = []
-    for pieces in (2, 1):
+    for pieces, ramp in ((2, False), (1, True), (1, False)):  # (2 layers: the ramp's pieces are 1 layer each too)
         monkeypatch.setattr(runner, "GRAPH_PIECES", pieces)
+        monkeypatch.setattr(runner, "GRAPH_RAMP", ramp)
         engine = make_engine(checkpoint, dtype="bf16", device="cuda", kv_cache_memory_mb=64)
         graph, _ = engine.runner.graphs[1, 1]
-        assert isinstance(graph, runner.GraphPieces) == (pieces > 1)
+        assert len(getattr(graph, "graphs", [graph])) == (2 if pieces > 1 or ramp else 1)
         outputs.append([[s.output_ids for s in engine.generate(batch, params)] for batch in (PROMPTS, PROMPTS[:1])])
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_prefill_by_sequence_equals_the_padded_masked_path():

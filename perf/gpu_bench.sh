@@ -214,7 +214,7 @@ if [[ " ${SCENARIOS:-images} " == *" prefill "* ]]; then
   "$py" -m perf.llm_prefill --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" lora_kernels "* ]]; then
-  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_lora.py -k "lora_kernels"  # compiled, prefetch or not
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_lora.py -k "lora_kernels"  # compiled
   "$py" -m perf.lora_kernels --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" lora "* ]]; then

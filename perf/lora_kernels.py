@@ -24,9 +24,8 @@ from perf.report import hardware_line, write_table
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
 SHRINK = [{}, {"SHRINK_WARPS": 4}, {"BLOCK_K": 128}]  # the defaults, then changes to them
-EXPAND = [{}, {"EXPAND_PREFETCH": False}, {"BLOCK_N": 128, "CHUNK": 8},  # (B's blocks requested ahead or not)
-          {"BLOCK_N": 128, "CHUNK": 8, "EXPAND_PREFETCH": False}, {"BLOCK_N": 128, "CHUNK": 4},
-          {"EXPAND_WARPS": 8}, {"CHUNK": 8}, {"CHUNK": 16}]  # (longer programs: the chain of reads paid once)
+EXPAND = [{}, {"BLOCK_N": 128, "CHUNK": 8}, {"BLOCK_N": 128, "CHUNK": 4}, {"EXPAND_WARPS": 8}, {"CHUNK": 8},
+          {"CHUNK": 16}]  # (longer programs: the chain of reads paid once)
 
 
 def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:

@@ -81,11 +81,10 @@ CASES = {
                     {"rows_total": "i32", "stride_x": "i32"},
                     dict(K=4096, R=16, SLOTS=64, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BK=128, K_SPLIT=1024,
                          PRECISION="tf32")),
-    **{f"lora-expand{'-prefetch' * prefetch}": (
-        "backends.llm.lora_kernels", "_expand_kernel", {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"},
-        {"rows_total": "i32", "stride_out": "i32"},
-        dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256, CHUNK=4,
-             PRECISION="tf32", PREFETCH=prefetch)) for prefetch in (False, True)},
+    "lora-expand": ("backends.llm.lora_kernels", "_expand_kernel",
+                    {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"}, {"rows_total": "i32", "stride_out": "i32"},
+                    dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256, CHUNK=4,
+                         PRECISION="tf32")),
 }
 
 

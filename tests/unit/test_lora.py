@@ -241,18 +241,15 @@ def test_tiles_group_rows_by_their_adapters_and_skip_rows_without():
     assert run.tiles[:, :2].tolist() == [[0, 16], [16, 16], [32, 8]] and run.perm.tolist() == list(range(3, 43))
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("k_split,programs,dtype", [(1024, 64, torch.float32), (32, 3, torch.float32)]
                          + ([(1024, 1056, torch.bfloat16)] if torch.cuda.is_available() else []))
-def test_lora_kernels_equal_each_rows_own_adapters(monkeypatch, k_split, programs, dtype, prefetch):
+def test_lora_kernels_equal_each_rows_own_adapters(monkeypatch, k_split, programs, dtype):
     """backends/llm/lora_kernels.py (Triton's interpreter here; the compiled kernel on a GPU) against x A^T B per row:
     shared and distinct adapters, tiles of several rows, a two-adapter mix, rows without adapters, padded ranks,
     parts whose widths are not multiples of the column block, K in several splits, fewer programs than work, several
-    column blocks a program; on a GPU also in bf16 (the engine's dtype), within bf16's rounding of the reference;
-    with and without `expand` requesting B's blocks ahead."""
+    column blocks a program; on a GPU also in bf16 (the engine's dtype), within bf16's rounding of the reference."""
     import backends.llm.lora_kernels as kernels
 
-    monkeypatch.setattr(kernels, "EXPAND_PREFETCH", prefetch)
     monkeypatch.setattr(kernels, "K_SPLIT", k_split)
     monkeypatch.setattr(kernels, "BLOCK_K", min(kernels.BLOCK_K, k_split))
     monkeypatch.setattr(kernels, "programs", lambda device: programs)

@@ -40,7 +40,7 @@
 #   under torch.profiler, kernel time by kind (perf.llm_engine --variants --profile-rows);
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
 #   through perf/llm.py, beside the same engine in process on the same prompts, and the server's start-to-ready time
-#   (LLM8B_FLAGS: more build_engines flags, e.g. "--overlap-steps true");
+#   (LLM8B_FLAGS: more build_engines flags, e.g. "--overlap-steps false": on a GPU it is on unless set);
 #   "speculative": the speculative decoding tests on the GPU, then perf.speculative on Llama-3-8B shapes (agreement
 #   set by construction, by batch size) and, with SMOLLM2_GGUF (the GGUF file `make engines` keeps in .checkpoints/gguf/,
 #   carried to the host), on SmolLM2 with prompt lookup and a draft of DRAFT_LAYERS (4) layers distilled in the run;

@@ -88,5 +88,5 @@ def test_vlm_breakdown_times_every_part(repository, tmp_path):
     (table,) = (tmp_path / "test").glob("*-vlm-ttft-breakdown.md")
     parts = {line.split("|")[1].strip(): float(line.split("|")[2]) for line in table.read_text().splitlines()
              if line.startswith("| ") and not line.startswith("| part")}
-    assert len(parts) == 5 and all(ms > 0 for ms in parts.values())
+    assert len(parts) == 6 and all(ms > 0 for ms in parts.values())
     assert "aten::" in table.read_text()  # the profiler's operator table

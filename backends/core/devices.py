@@ -2,6 +2,7 @@
 present, else the CPU."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -14,4 +15,6 @@ def resolve_device(name: str) -> torch.device:
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a tensor on `device`, copied asynchronously from pinned memory (a copy from pageable
     memory may wait for the device's queue)."""
+    if isinstance(values, np.ndarray):  # torch cannot pin a tensor made from an array
+        values = values.tolist()
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)

@@ -44,9 +44,9 @@
 #   "speculative": the speculative decoding tests on the GPU, then perf.speculative on Llama-3-8B shapes (agreement
 #   set by construction, by batch size) and, with SMOLLM2_GGUF (the GGUF file `make engines` keeps in .checkpoints/gguf/,
 #   carried to the host), on SmolLM2 with prompt lookup and a draft of DRAFT_LAYERS (4) layers distilled in the run;
-#   "openai": perf.openai_bench (the OpenAI frontend against direct gRPC streaming) on the tiny llm, on this host's
-#   CPU and then on the GPU (OPENAI_DEVICES, "cpu cuda"; OPENAI_ARGS: more arguments, e.g. "--rounds 3
-#   --requests-per-stream 16" for rounds long enough to settle the ratios);
+#   "openai" (needs a bundle made with BUNDLE_FRONTEND=1): perf.openai_bench (the OpenAI frontend against direct
+#   gRPC streaming) on the tiny llm, on this host's CPU and then on the GPU (OPENAI_DEVICES, "cpu cuda"; OPENAI_ARGS:
+#   more arguments, e.g. "--rounds 3 --requests-per-stream 16" for rounds long enough to settle the ratios);
 #   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
 #   ("llm vlm"): llm on Llama-3-8B shapes, vlm on LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes (random bf16);
 #   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10 --variant rides=--qos-lower-rides=true");

@@ -42,8 +42,9 @@ GRAPH_PIECES = 4  # decode graphs captured as this many graphs of consecutive la
 # the GPU starts on the first while the host launches the rest. On the H200 (Llama-3-8B shapes, bf16, one run against
 # whole graphs; perf/results/h200/2026-12-05-llm-engine-pieces.md) batch 1 1.05x, 64 x 128/128 1.08x
 GRAPH_RAMP = False  # pieces of 1, 2, 4, ... layers instead (the last takes the rest): the GPU starts once one layer's
-# kernels are launched, and each later launch has the time of the pieces before it. H100, one run: no gain alone,
-# 1.14x against overlap_steps' 1.10x at 64 x 128/128 (perf/results/h100/README.md); the H200 is to decide
+# kernels are launched, and each later launch has the time of the pieces before it. Alone it costs (H200: batch 1
+# 0.93x, 64 x 128/128 0.90x); with overlap_steps, against 4 pieces, the H100 1.14x / 1.10x (one run) and the H200
+# either way in three runs (perf/results/h200/README.md, 2026-12-05 afternoon): within the noise
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)  # padding <= 1.5x
 
 

@@ -100,10 +100,13 @@ class Client:
 
     def segment(self, image: bytes, points: list[tuple[float, float]] = (), labels: list[int] = (),
                 box: tuple[float, float, float, float] | None = None, multimask: bool = True,
-                mask_input: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                mask_input: np.ndarray | None = None,
+                outputs: tuple[str, ...] = ("masks", "iou_scores", "low_res_logits")
+                ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
         """(masks bool [K, H, W], iou_scores [K], low_res_logits [K, 256, 256]) from `sam` for one prompt: points
         (x, y) with labels (1 object, 0 background) and/or one box (x0, y0, x1, y1). To refine a mask with more
-        clicks, pass its low_res_logits row back as `mask_input`."""
+        clicks, pass its low_res_logits row back as `mask_input`. `outputs`: those to ask for (the others are None;
+        the server computes no masks nobody asked for)."""
         inputs = {"image": np.array([image], dtype=object), "multimask_output": np.array([multimask])}
         if points:
             inputs["point_coords"] = np.array(points, dtype=np.float32).reshape(-1, 2)
@@ -112,8 +115,8 @@ class Client:
             inputs["boxes"] = np.array([box], dtype=np.float32)
         if mask_input is not None:
             inputs["mask_input"] = np.asarray(mask_input, dtype=np.float32).reshape(1, *np.shape(mask_input)[-2:])
-        out = self.infer("sam", inputs, ["masks", "iou_scores", "low_res_logits"])
-        return out["masks"], out["iou_scores"], out["low_res_logits"]
+        out = self.infer("sam", inputs, list(outputs))
+        return out.get("masks"), out.get("iou_scores"), out.get("low_res_logits")
 
     def tile(self, image: bytes) -> tuple[np.ndarray, int]:
         """(pixel_values [T, 3, S, S], num_image_tokens) of one encoded image from `anyres`: the LLaVA-NeXT tiles

@@ -110,7 +110,7 @@ class TritonBackend(Generic[P]):
 
                 return torch.from_dlpack(tensor.to_dlpack())
             return tensor.as_numpy()
-        return Inputs(get)
+        return Inputs(get, frozenset(request.requested_output_names()))
 
     def check_parameters(self, request, hint: str = "", allowed: tuple[str, ...] = ()) -> str | None:
         """Refuses request parameters this model would ignore; returns the fault stage a test asked for."""

@@ -47,8 +47,9 @@ def as_bytes(value: object, name: str = "input") -> bytes:
 
 
 class Inputs:
-    def __init__(self, get: Callable[[str], np.ndarray | None]):
-        self.get = get
+    def __init__(self, get: Callable[[str], np.ndarray | None], requested: frozenset[str] | None = None):
+        """`requested`: the outputs the client asked for (Triton names them all when it asked for none); None: all."""
+        self.get, self.requested = get, requested
 
     def array(self, name: str) -> np.ndarray | None:
         return self.get(name)

@@ -1,5 +1,6 @@
 """`mm_sam`: Triton backend for `sam`, image + one prompt (points with labels, and/or one box, optionally the low-res
-logits of an earlier mask) -> masks at the image's size, IoU scores and the low-res logits.
+logits of an earlier mask) -> masks at the image's size, IoU scores and the low-res logits (those the client asks
+for: masks nobody asked for are not upscaled, and no logits are copied back for nobody).
 
 The engine caches image embeddings by content hash; cache hits, misses and evictions are exported as counters
 (sam_embedding_cache_*), so a client can see a second click skip the encoder. With `batch_window` adaptive (the
@@ -40,7 +41,7 @@ class TritonPythonModel(BatchedBackend[SamParams]):
         arrays = (inputs.array(name) for name in ("point_coords", "point_labels", "boxes", "mask_input"))
         # copies: our batcher uses them after `execute` returns, when Triton may reuse the inputs' buffers
         return [Prompt(inputs.blob("image", "encoded image"), *(None if a is None else a.copy() for a in arrays),
-                       inputs.scalar("multimask_output", bool, True))]
+                       inputs.scalar("multimask_output", bool, True), outputs=inputs.requested)]
 
     def prepare(self, prompt: Prompt) -> Prompt:
         prompt.key = image_key(prompt.image)
@@ -54,9 +55,10 @@ class TritonPythonModel(BatchedBackend[SamParams]):
         return self.engine.segment_batch([prompt for (prompt,) in batch])
 
     def respond(self, result: Segmentation):
-        return self.pb.InferenceResponse([self.pb.Tensor("masks", result.masks),
-                                          self.pb.Tensor("iou_scores", result.iou_scores),
-                                          self.pb.Tensor("low_res_logits", result.low_res_logits)])
+        """The outputs the client asked for (the others were not computed)."""
+        return self.pb.InferenceResponse([self.pb.Tensor(name, value) for name, value in (
+            ("masks", result.masks), ("iou_scores", result.iou_scores), ("low_res_logits", result.low_res_logits))
+            if value is not None])
 
     def after_batch(self) -> None:
         cache = self.engine.cache

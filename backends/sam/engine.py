@@ -125,13 +125,16 @@ class Prompt:
     mask_input: np.ndarray | None = None
     multimask: bool = True
     key: str = ""  # the embedding cache's key (`image_key`), when the caller has it already
+    outputs: frozenset[str] | None = None  # those of Segmentation's fields to compute (None: all): a client that
+    # asks for no masks saves their upscaling and their copy to the host
 
 
 @dataclass
 class Segmentation:
-    masks: np.ndarray  # bool [K, H, W] at the original image size (K = 3 with multimask output, else 1)
+    masks: np.ndarray | None  # bool [K, H, W] at the original image size (K = 3 with multimask output, else 1)
     iou_scores: np.ndarray  # float32 [K]
-    low_res_logits: np.ndarray  # float32 [K, 256, 256]
+    low_res_logits: np.ndarray | None  # float32 [K, 256, 256]
+    # (masks and low_res_logits are None where the prompt's `outputs` leave them out)
 
 
 class SamEngine:
@@ -262,10 +265,15 @@ class SamEngine:
                 index = torch.tensor(members, device=low_res.device)
                 chosen = slice(1, 4) if multimask else slice(0, 1)  # SamMaskDecoder's choice of mask tokens
                 kept = low_res[index, chosen]
-                masks_out = (upscale_masks(kept, size, self.pad_size) > 0).cpu().numpy()
-                kept, scores = kept.float().cpu().numpy(), iou[index, chosen].float().cpu().numpy()
-                for k, row in enumerate(members):
-                    results[rows[row][0]] = Segmentation(masks_out[k], scores[k], kept[k])
+                wanted = [prompts[rows[row][0]].outputs for row in members]
+                masks_out = (upscale_masks(kept, size, self.pad_size) > 0).cpu().numpy() \
+                    if any(w is None or "masks" in w for w in wanted) else None
+                logits = kept.float().cpu().numpy() if any(w is None or "low_res_logits" in w for w in wanted) else None
+                scores = iou[index, chosen].float().cpu().numpy()
+                for k, (row, want) in enumerate(zip(members, wanted)):
+                    results[rows[row][0]] = Segmentation(
+                        masks_out[k] if want is None or "masks" in want else None, scores[k],
+                        logits[k] if want is None or "low_res_logits" in want else None)
         return results
 
     @staticmethod

@@ -46,6 +46,20 @@ def test_served_masks_equal_reference_and_second_click_hits_the_cache(server, sa
         assert (cache(server, "misses"), cache(server, "hits")) == (misses + 1, hits + 1)
 
 
+def test_a_request_gets_only_the_outputs_it_asks_for(server):
+    """tritonclient's requested outputs: a request for the scores alone, and one for the scores and low-res logits,
+    get those, equal to the answer with every output."""
+    with Client(server.http_url) as client:
+        masks, scores, low_res = client.segment(IMAGE, [(200.0, 100.0)], [1])
+        only = client.segment(IMAGE, [(200.0, 100.0)], [1], outputs=("iou_scores",))
+        assert only[0] is None and only[2] is None
+        np.testing.assert_allclose(only[1], scores, atol=1e-6)
+        no_masks = client.segment(IMAGE, [(200.0, 100.0)], [1], outputs=("iou_scores", "low_res_logits"))
+        assert no_masks[0] is None and masks.shape == (3, 480, 640)
+        np.testing.assert_allclose(no_masks[1], scores, atol=1e-6)
+        np.testing.assert_allclose(no_masks[2], low_res, atol=1e-5)
+
+
 def test_cli_writes_an_overlay(server, tmp_path, capsys):
     from client.__main__ import main
 

@@ -208,6 +208,35 @@ def test_prompts_of_several_requests_share_engine_calls_and_equal_each_alone(eng
         np.testing.assert_allclose(got.low_res_logits, alone.low_res_logits, atol=1e-4)
 
 
+def test_a_prompt_gets_only_the_outputs_it_asks_for_and_masks_nobody_asked_for_are_not_upscaled(engine, monkeypatch):
+    """Rows of one decoder call asking for different outputs: each gets those it named, equal to a prompt asking for
+    all; a call in which no prompt asks for masks upscales none."""
+    from backends.sam import engine as sam_engine
+
+    image, one = encode(random_image(640, 480, seed=60), "JPEG"), np.array([1])
+    asks = [None, frozenset({"iou_scores"}), frozenset({"masks", "iou_scores"}),
+            frozenset({"low_res_logits", "iou_scores"})]
+    full = engine.segment_batch([Prompt(image, np.array([[40.0 + 30 * i, 50.0]]), one) for i in range(len(asks))])
+    upscaled = []
+    monkeypatch.setattr(sam_engine, "upscale_masks",
+                        lambda *args, run=sam_engine.upscale_masks: upscaled.append(len(args[0])) or run(*args))
+    got = engine.segment_batch([Prompt(image, np.array([[40.0 + 30 * i, 50.0]]), one, outputs=ask)
+                                for i, ask in enumerate(asks)])
+    assert upscaled == [4]  # one call, its masks upscaled once (two of its prompts asked for them)
+    for ask, answer, want in zip(asks, got, full):
+        np.testing.assert_array_equal(answer.iou_scores, want.iou_scores)
+        for name in ("masks", "low_res_logits"):
+            value = getattr(answer, name)
+            if ask is None or name in ask:
+                np.testing.assert_array_equal(value, getattr(want, name))
+            else:
+                assert value is None
+    upscaled.clear()
+    scores_only = engine.segment_batch([Prompt(image, np.array([[70.0, 50.0]]), one, outputs=asks[1])])[0]
+    assert upscaled == [] and scores_only.masks is None and scores_only.low_res_logits is None
+    np.testing.assert_array_equal(scores_only.iou_scores, full[1].iou_scores)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_of_the_decoder_equal_op_by_op(sam_checkpoint, tmp_path, monkeypatch):
     """Prompts of 2 and 3 tokens replay graphs (a batch of 5 in graphs of 4 and 1 rows), 5 tokens run op by op;

@@ -100,14 +100,17 @@ class Client:
 
     def segment(self, image: bytes, points: list[tuple[float, float]] = (), labels: list[int] = (),
                 box: tuple[float, float, float, float] | None = None, multimask: bool = True,
-                mask_input: np.ndarray | None = None,
-                outputs: tuple[str, ...] = ("masks", "iou_scores", "low_res_logits")
-                ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+                mask_input: np.ndarray | None = None, rle: bool = False,
+                outputs: tuple[str, ...] = ("masks", "iou_scores", "low_res_logits")) -> tuple:
         """(masks bool [K, H, W], iou_scores [K], low_res_logits [K, 256, 256]) from `sam` for one prompt: points
         (x, y) with labels (1 object, 0 background) and/or one box (x0, y0, x1, y1). To refine a mask with more
-        clicks, pass its low_res_logits row back as `mask_input`. `outputs`: those to ask for (the others are None;
-        the server computes no masks nobody asked for)."""
+        clicks, pass its low_res_logits row back as `mask_input`. `rle`: the masks as K COCO compressed RLE dicts
+        (`pycocotools.mask.decode(rle)` gives the pixels), about a byte a run instead of a byte a pixel. `outputs`: those to ask for (the others are None; the server computes no masks nobody asked
+        for)."""
         inputs = {"image": np.array([image], dtype=object), "multimask_output": np.array([multimask])}
+        if rle:
+            inputs["mask_format"] = np.array([b"rle"], dtype=object)
+            outputs = tuple("masks_rle" if name == "masks" else name for name in outputs)
         if points:
             inputs["point_coords"] = np.array(points, dtype=np.float32).reshape(-1, 2)
             inputs["point_labels"] = np.array(labels, dtype=np.int32)
@@ -116,7 +119,9 @@ class Client:
         if mask_input is not None:
             inputs["mask_input"] = np.asarray(mask_input, dtype=np.float32).reshape(1, *np.shape(mask_input)[-2:])
         out = self.infer("sam", inputs, list(outputs))
-        return out.get("masks"), out.get("iou_scores"), out.get("low_res_logits")
+        masks = out.get("masks") if not rle else None if out.get("masks_rle") is None else [
+            json.loads(item) for item in out["masks_rle"]]
+        return masks, out.get("iou_scores"), out.get("low_res_logits")
 
     def tile(self, image: bytes) -> tuple[np.ndarray, int]:
         """(pixel_values [T, 3, S, S], num_image_tokens) of one encoded image from `anyres`: the LLaVA-NeXT tiles

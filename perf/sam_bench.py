@@ -1,5 +1,6 @@
 """SAM throughput: the encoder path (every request a new image: the embedding cache is turned off by a config
-override) and the decoder path (clicks on an image already embedded: cache hits) vs concurrency through the served
+override) and the decoder path (clicks on an image already embedded: cache hits; the masks as bool pixels, then as
+COCO run lengths, `mask_format` "rle") vs concurrency through the served
 `sam` (perf_analyzer, gRPC), beside the engine in process on the same inputs in the same run, and what a cache hit
 saves: the in-process latency of a first click (encoder + decoder) over a second click (decoder only).
 
@@ -28,7 +29,7 @@ from perf.server_metrics import model_metrics
 IMAGES = [(640, 480, "JPEG"), (1280, 720, "JPEG"), (1024, 1024, "JPEG"), (800, 1200, "JPEG")]
 
 
-def write_input_data(path: Path, images: list[bytes], clicks: int) -> Path:
+def write_input_data(path: Path, images: list[bytes], clicks: int, mask_format: str = "binary") -> Path:
     """`clicks` steps per image, each a different point inside it; perf_analyzer cycles through the steps."""
     rng = np.random.default_rng(0)
     steps = []
@@ -36,7 +37,8 @@ def write_input_data(path: Path, images: list[bytes], clicks: int) -> Path:
         for _ in range(clicks):
             point = [float(rng.uniform(0, width)), float(rng.uniform(0, height))]
             steps.append({"image": bytes_entry(data), "point_coords": {"content": point, "shape": [1, 2]},
-                          "point_labels": {"content": [1], "shape": [1]}})
+                          "point_labels": {"content": [1], "shape": [1]},
+                          "mask_format": {"content": [mask_format], "shape": [1]}})
     path.write_text(json.dumps({"data": steps}))
     return path
 
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         after = batched(server)
         per_call = (after[0] - before[0]) / max(1.0, after[1] - before[1])
         rows = rows_of("decoder (clicks on embedded images)", points)
+        points, _, lost = sweep("sam", server, write_input_data(tmp / "rle.json", images, 8, "rle"), tmp,
+                                "concurrency", args.concurrency, args.interval_ms)
+        rows, notes = rows + rows_of("decoder, masks as RLE (mask_format rle)", points), notes + lost
         # every request runs the encoder. Unload first: Triton 2.51 aborts when a model with custom metrics is
         # reloaded in place (the new instance registers the same metric families while the old one still holds them)
         client.unload_model("sam")

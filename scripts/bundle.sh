@@ -15,7 +15,8 @@ PY="${BUNDLE_PYTHON:-3.12}"
 VENV="${VENV:-.venv}"
 SITE="$(echo "$VENV"/lib/python3*/site-packages)"
 WHEELS=(numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25 grpcio==1.81.1 protobuf==6.33.6
-        soundfile==0.14.0 soxr==1.1.0 cffi==2.1.1 pycparser==3.12)  # audio: libsndfile, soxr (not on GPU hosts)
+        soundfile==0.14.0 soxr==1.1.0 cffi==2.1.1 pycparser==3.12  # audio: libsndfile, soxr (not on GPU hosts)
+        pycocotools==2.0.11)  # sam's masks as COCO run lengths (mask_format rle)
 # the OpenAI frontend and its benchmark's client (perf.openai_bench); anyio, h11, idna, typing_extensions and uvloop
 # are on such hosts already
 if [ "${BUNDLE_FRONTEND:-0}" = 1 ]; then

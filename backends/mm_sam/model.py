@@ -1,6 +1,8 @@
 """`mm_sam`: Triton backend for `sam`, image + one prompt (points with labels, and/or one box, optionally the low-res
 logits of an earlier mask) -> masks at the image's size, IoU scores and the low-res logits (those the client asks
-for: masks nobody asked for are not upscaled, and no logits are copied back for nobody).
+for: masks nobody asked for are not upscaled, and no logits are copied back for nobody). With the input
+`mask_format` "rle" the masks come as `masks_rle`, COCO's compressed RLE as JSON (pycocotools.mask.decode reads it):
+about a byte a run where `masks` is a byte a pixel.
 
 The engine caches image embeddings by content hash; cache hits, misses and evictions are exported as counters
 (sam_embedding_cache_*), so a client can see a second click skip the encoder. With `batch_window` adaptive (the
@@ -11,7 +13,12 @@ alone (the model has no dynamic batcher: its inputs have no batch dimension).
 """
 from __future__ import annotations
 
+import json
+
+import numpy as np
+
 from backends.core.adapter import BatchedBackend
+from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
 from backends.sam.engine import Prompt, SamEngine, SamParams, Segmentation, image_key
@@ -39,9 +46,13 @@ class TritonPythonModel(BatchedBackend[SamParams]):
 
     def read(self, inputs: Inputs) -> list[Prompt]:
         arrays = (inputs.array(name) for name in ("point_coords", "point_labels", "boxes", "mask_input"))
+        mask_format = inputs.text("mask_format", "binary")
+        if mask_format not in ("binary", "rle"):
+            raise InvalidInput(f"mask_format must be 'binary' (masks) or 'rle' (masks_rle); got {mask_format!r}")
         # copies: our batcher uses them after `execute` returns, when Triton may reuse the inputs' buffers
         return [Prompt(inputs.blob("image", "encoded image"), *(None if a is None else a.copy() for a in arrays),
-                       inputs.scalar("multimask_output", bool, True), outputs=inputs.requested)]
+                       inputs.scalar("multimask_output", bool, True), outputs=inputs.requested,
+                       rle=mask_format == "rle")]
 
     def prepare(self, prompt: Prompt) -> Prompt:
         prompt.key = image_key(prompt.image)
@@ -56,9 +67,11 @@ class TritonPythonModel(BatchedBackend[SamParams]):
 
     def respond(self, result: Segmentation):
         """The outputs the client asked for (the others were not computed)."""
+        rle = None if result.masks_rle is None else np.array([json.dumps(r).encode() for r in result.masks_rle],
+                                                             dtype=object)
         return self.pb.InferenceResponse([self.pb.Tensor(name, value) for name, value in (
-            ("masks", result.masks), ("iou_scores", result.iou_scores), ("low_res_logits", result.low_res_logits))
-            if value is not None])
+            ("masks", result.masks), ("masks_rle", rle), ("iou_scores", result.iou_scores),
+            ("low_res_logits", result.low_res_logits)) if value is not None])
 
     def after_batch(self) -> None:
         cache = self.engine.cache

@@ -73,6 +73,15 @@ def upscale_masks(low_res: torch.Tensor, size: tuple[int, int], pad_size: int) -
     return F.interpolate(masks, (height, width), mode="bilinear", align_corners=False)
 
 
+def coco_rle(masks: np.ndarray) -> list[dict]:
+    """Each bool mask [K, H, W] as COCO's compressed RLE, {"size": [H, W], "counts": str}, by pycocotools (what
+    `pycocotools.mask.decode` takes back): about a byte a run where the pixels take a byte each."""
+    from pycocotools import mask as coco
+
+    encoded = coco.encode(np.asfortranarray(masks.transpose(1, 2, 0), dtype=np.uint8))
+    return [{"size": [int(h) for h in rle["size"]], "counts": rle["counts"].decode()} for rle in encoded]
+
+
 @dataclass
 class Embedded:
     # [1, C, 64, 64] where the encoder made it: a torch tensor on its device (torch and TensorRT engines; a click
@@ -125,8 +134,15 @@ class Prompt:
     mask_input: np.ndarray | None = None
     multimask: bool = True
     key: str = ""  # the embedding cache's key (`image_key`), when the caller has it already
-    outputs: frozenset[str] | None = None  # those of Segmentation's fields to compute (None: all): a client that
-    # asks for no masks saves their upscaling and their copy to the host
+    outputs: frozenset[str] | None = None  # the outputs asked for (None: all): a client that asks for no masks
+    # saves their upscaling and their copy to the host
+    rle: bool = False  # masks as COCO run lengths (`masks_rle`) instead of bool pixels (`masks`)
+
+    def wants(self, name: str) -> bool:
+        """Whether to compute output `name` (a Segmentation field): asked for, and the masks in the format asked."""
+        if name in ("masks", "masks_rle") and (name == "masks_rle") != self.rle:
+            return False
+        return self.outputs is None or name in self.outputs
 
 
 @dataclass
@@ -134,7 +150,8 @@ class Segmentation:
     masks: np.ndarray | None  # bool [K, H, W] at the original image size (K = 3 with multimask output, else 1)
     iou_scores: np.ndarray  # float32 [K]
     low_res_logits: np.ndarray | None  # float32 [K, 256, 256]
-    # (masks and low_res_logits are None where the prompt's `outputs` leave them out)
+    masks_rle: list[dict] | None = None  # the masks as COCO's compressed RLE (`coco_rle`)
+    # (each is None where the prompt does not want it: Prompt.wants)
 
 
 class SamEngine:
@@ -265,15 +282,18 @@ class SamEngine:
                 index = torch.tensor(members, device=low_res.device)
                 chosen = slice(1, 4) if multimask else slice(0, 1)  # SamMaskDecoder's choice of mask tokens
                 kept = low_res[index, chosen]
-                wanted = [prompts[rows[row][0]].outputs for row in members]
-                masks_out = (upscale_masks(kept, size, self.pad_size) > 0).cpu().numpy() \
-                    if any(w is None or "masks" in w for w in wanted) else None
-                logits = kept.float().cpu().numpy() if any(w is None or "low_res_logits" in w for w in wanted) else None
+                asked = [prompts[rows[row][0]] for row in members]
+                wanted = {name for name in ("masks", "masks_rle", "low_res_logits")
+                          if any(prompt.wants(name) for prompt in asked)}
+                binary = upscale_masks(kept, size, self.pad_size) > 0 if wanted & {"masks", "masks_rle"} else None
+                pixels = binary.cpu().numpy() if wanted & {"masks", "masks_rle"} else None
+                logits = kept.float().cpu().numpy() if "low_res_logits" in wanted else None
                 scores = iou[index, chosen].float().cpu().numpy()
-                for k, (row, want) in enumerate(zip(members, wanted)):
+                for k, (row, prompt) in enumerate(zip(members, asked)):
                     results[rows[row][0]] = Segmentation(
-                        masks_out[k] if want is None or "masks" in want else None, scores[k],
-                        logits[k] if want is None or "low_res_logits" in want else None)
+                        pixels[k] if prompt.wants("masks") else None, scores[k],
+                        logits[k] if prompt.wants("low_res_logits") else None,
+                        coco_rle(pixels[k]) if prompt.wants("masks_rle") else None)
         return results
 
     @staticmethod

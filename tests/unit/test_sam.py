@@ -237,6 +237,21 @@ def test_a_prompt_gets_only_the_outputs_it_asks_for_and_masks_nobody_asked_for_a
     np.testing.assert_array_equal(scores_only.iou_scores, full[1].iou_scores)
 
 
+def test_masks_as_rle_decode_with_pycocotools_to_the_binary_masks(engine):
+    """`rle=True`: each mask as COCO's compressed RLE, which pycocotools decodes to the bool masks of the same
+    prompt (rows and columns in their places: a non-square image)."""
+    from pycocotools import mask as coco
+
+    image = encode(random_image(300, 500, seed=61), "JPEG")
+    points, one = np.array([[120.0, 200.0]]), np.array([1])
+    binary, as_rle = engine.segment_batch([Prompt(image, points, one), Prompt(image, points, one, rle=True)])
+    assert binary.masks_rle is None and as_rle.masks is None and len(as_rle.masks_rle) == 3
+    np.testing.assert_array_equal(as_rle.iou_scores, binary.iou_scores)
+    for rle, want in zip(as_rle.masks_rle, binary.masks):
+        assert rle["size"] == [500, 300] and isinstance(rle["counts"], str)
+        np.testing.assert_array_equal(coco.decode(rle).astype(bool), want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_of_the_decoder_equal_op_by_op(sam_checkpoint, tmp_path, monkeypatch):
     """Prompts of 2 and 3 tokens replay graphs (a batch of 5 in graphs of 4 and 1 rows), 5 tokens run op by op;

@@ -105,8 +105,8 @@ class Client:
         """(masks bool [K, H, W], iou_scores [K], low_res_logits [K, 256, 256]) from `sam` for one prompt: points
         (x, y) with labels (1 object, 0 background) and/or one box (x0, y0, x1, y1). To refine a mask with more
         clicks, pass its low_res_logits row back as `mask_input`. `rle`: the masks as K COCO compressed RLE dicts
-        (`pycocotools.mask.decode(rle)` gives the pixels), about a byte a run instead of a byte a pixel. `outputs`: those to ask for (the others are None; the server computes no masks nobody asked
-        for)."""
+        (`pycocotools.mask.decode(rle)` gives the pixels), about a byte a run instead of a byte a pixel. `outputs`:
+        those to ask for (the others are None; the server computes no masks nobody asked for)."""
         inputs = {"image": np.array([image], dtype=object), "multimask_output": np.array([multimask])}
         if rle:
             inputs["mask_format"] = np.array([b"rle"], dtype=object)
@@ -119,8 +119,9 @@ class Client:
         if mask_input is not None:
             inputs["mask_input"] = np.asarray(mask_input, dtype=np.float32).reshape(1, *np.shape(mask_input)[-2:])
         out = self.infer("sam", inputs, list(outputs))
-        masks = out.get("masks") if not rle else None if out.get("masks_rle") is None else [
-            json.loads(item) for item in out["masks_rle"]]
+        masks = out.get("masks")
+        if rle and out.get("masks_rle") is not None:
+            masks = [json.loads(item) for item in out["masks_rle"]]
         return masks, out.get("iou_scores"), out.get("low_res_logits")
 
     def tile(self, image: bytes) -> tuple[np.ndarray, int]:

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{', ' + ' '.join(args.engine_flags) if args.engine_flags else ''}. `*_qos`: default QoS settings "
                  "(aging bounds high 1 s / normal 5 s / low 30 s, queue limits 256 / 512 / 512; LLM engines: while a "
                  "higher class runs, lower-class prompts start in at most 25% of the engine's time, in steps of at "
-                 "most 2048 prompt tokens); `*_fifo`: cost "
+                 "most 2048 prompt tokens and of what recent prefill steps computed in 25 ms); `*_fifo`: cost "
                  "weights 0, unbounded queues, no class sent (first come first served).")
     notes.append(f"Command: `python -m perf.qos {' '.join(sys.argv[1:] if argv is None else argv)}`.")
     scenario = "qos-mixed-load" + ("" if set(args.families) == set(MIXES) else "-" + "-".join(args.families))

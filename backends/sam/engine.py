@@ -285,8 +285,8 @@ class SamEngine:
                 asked = [prompts[rows[row][0]] for row in members]
                 wanted = {name for name in ("masks", "masks_rle", "low_res_logits")
                           if any(prompt.wants(name) for prompt in asked)}
-                binary = upscale_masks(kept, size, self.pad_size) > 0 if wanted & {"masks", "masks_rle"} else None
-                pixels = binary.cpu().numpy() if wanted & {"masks", "masks_rle"} else None
+                pixels = (upscale_masks(kept, size, self.pad_size) > 0).cpu().numpy() \
+                    if wanted & {"masks", "masks_rle"} else None
                 logits = kept.float().cpu().numpy() if "low_res_logits" in wanted else None
                 scores = iou[index, chosen].float().cpu().numpy()
                 for k, (row, prompt) in enumerate(zip(members, asked)):

@@ -32,6 +32,9 @@ class FakeRequest:
     def parameters(self):
         return json.dumps(self.params)
 
+    def requested_output_names(self):
+        return ["y"]
+
 
 @pytest.fixture
 def pb(monkeypatch):

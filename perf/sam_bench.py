@@ -74,6 +74,21 @@ def in_process(folder: Path, images: list[bytes], device: str, repeats: int = 5,
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def answer_sizes(folder: Path, images: list[bytes], device: str) -> tuple[float, float]:
+    """Mean KB of a click's masks over the images: as bool pixels (`masks`) and as the JSON run lengths `sam` sends
+    with `mask_format` rle (`masks_rle`)."""
+    from backends.sam.engine import Prompt, SamEngine
+
+    engine = SamEngine(folder, device=device)
+    point, label = np.array([[10.0, 10.0]], dtype=np.float32), np.array([1])
+    binary, rle = [], []
+    for data in images:
+        pixels, runs = engine.segment_batch([Prompt(data, point, label), Prompt(data, point, label, rle=True)])
+        binary.append(pixels.masks.nbytes)
+        rle.append(sum(len(json.dumps(mask)) for mask in runs.masks_rle))
+    return statistics.mean(binary) / 1024, statistics.mean(rle) / 1024
+
+
 def batched(server) -> tuple[float, float]:
     """(requests, batches) our batcher has counted for `sam` so far."""
     totals = model_metrics(server.metrics_url, "sam")
@@ -121,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "concurrency", args.concurrency, args.interval_ms)
         rows, notes = rows + rows_of("encoder (every request a new image)", points), notes + lost
     latency = in_process(folder, images, device)
+    binary_kb, rle_kb = answer_sizes(folder, images, device)
     rows += [["in process, first click (encoder + decoder)", 1, 1e3 / latency["first click"],
               latency["first click"], "-", "-"],
              ["in process, second click (cache hit)", 1, 1e3 / latency["second click"], latency["second click"],
@@ -136,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{per_call:.1f} on average over the decoder rows (our batcher's counters).",
              "In-process batch: 16 clicks, 4 on each image, as one segment_batch (one decoder call: the clicks have "
              "one length, whatever their images' sizes).",
+             f"A click's masks (3, at the image's size) take {binary_kb:.0f} KB as bool pixels and {rle_kb:.0f} KB "
+             "as run lengths (mean over the images; the runs depend on how speckled the masks are).",
              f"A cache hit makes a click {latency['first click'] / latency['second click']:.1f}x faster in process "
              f"({latency['first click']:.1f} ms -> {latency['second click']:.1f} ms, median over "
              f"{len(images)} images x 5).", *notes]

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import re
 import time
+import traceback
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -43,6 +46,8 @@ class StepProfile:
     host_top: list[tuple[str, float]] = field(default_factory=list)  # on a GPU: the host's costliest ops, ms a step
     device_busy_ms: float | None = None  # on a GPU: a step's time with any kernel running (overlapping ones once)
     idle_gaps: tuple[int, float] = (0, 0.0)  # on a GPU: gaps of >= GAP_US between kernels, per step: count, ms
+    host_syncs: list[tuple[str, float]] = field(default_factory=list)  # on a GPU: where the host waits for the
+    # device, ms a step (`sync_sites`)
 
     @property
     def total_ms(self) -> float:
@@ -60,7 +65,8 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
 
     generator = torch.Generator().manual_seed(7)
     vocab = engine.model.args.vocab_size
-    tokens = steps + 4
+    sync_steps = 4
+    tokens = steps + sync_steps + 4
     seqs = [engine.add(prompt, SamplingParams(max_tokens=tokens, min_tokens=tokens))
             for prompt in torch.randint(100, vocab - 10, (rows, prompt_tokens), generator=generator).tolist()]
     while any(len(s.output_ids) < 2 for s in seqs):  # prefills, then one decode step of all
@@ -75,6 +81,8 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
             engine.step()
         sync()
         wall = time.perf_counter() - start
+    if cuda:
+        found_syncs = sync_sites(engine, sync_steps)
     while engine.has_work:
         engine.step()
     per_kernel: Counter[str] = Counter()
@@ -99,7 +107,45 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
         busy, gaps = device_timeline(spans)
         found.device_busy_ms = busy / 1e3 / steps
         found.idle_gaps = (round(len(gaps) / steps), sum(gaps) / 1e3 / steps)
+        found.host_syncs = found_syncs
     return found
+
+
+def sync_sites(engine: LLMEngine, steps: int) -> list[tuple[str, float]]:
+    """Where the host waits for the device in a decode step, with ms a step: each cuda*Synchronize call the
+    profiler records, by the ops around it (a torch.cuda.synchronize has none; the profiler's start waits so for
+    a step launched ahead), and where the engine's code makes an op wait for the whole stream (a copy from or to
+    pageable memory, `.item()`, `.tolist()` of a device tensor: torch's sync debug mode warns at each; `x`: how often
+    a step). A step launched ahead is waited for too at a stream or device sync; the design waits on events only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    warned: Counter[str] = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        frames = [f"{f.filename.split('backends/')[-1]}({f.lineno}): {f.name}" for f in traceback.extract_stack()[:-1]
+                  if "/backends/" in f.filename]
+        warned["; ".join(frames[-3:]) or f"{Path(filename).name}:{lineno}"] += 1
+
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waited: Counter[str] = Counter()
+    for event in prof.events():
+        if not re.fullmatch(r"cuda\w*Synchronize", event.name):
+            continue
+        chain, parent = [], event.cpu_parent  # the ops around it, innermost first
+        while parent is not None and len(chain) < 3:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        waited[f"{event.name} in {' < '.join(chain) or 'no op'}"] += event.cpu_time_total
+    return ([(site, us / 1e3 / steps) for site, us in waited.most_common(6)]
+            + [(f"stream-wide wait, x{n / steps:g}: {site}", float("nan")) for site, n in warned.most_common(4)])
 
 
 def device_timeline(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
@@ -124,6 +170,9 @@ def describe(found: StepProfile) -> str:
     timeline = "" if found.device_busy_ms is None else (
         f"; some kernel running {found.device_busy_ms:.2f} ms a step, {found.idle_gaps[0]} gaps of >= {GAP_US:.0f} us "
         f"between kernels a step, {found.idle_gaps[1]:.3f} ms")
+    syncs = "" if found.device_busy_ms is None else "; where the host waits, ms a step: " + (
+        "; ".join(site + ("" if ms != ms else f" {ms:.3f}") for site, ms in found.host_syncs) or "none")
     return (f"decode steps of {found.rows} rows under the profiler: {found.wall_ms:.2f} ms a step, kernels "
             f"{found.total_ms:.2f} ms ({parts}){timeline}; costliest kernels, ms a step: {top}"
-            + (f"; the host's costliest ops (self time), ms a step: {host}" if host else ""))
+            + (f"; the host's costliest ops (self time), ms a step: {host}" if host else "")
+            + syncs)

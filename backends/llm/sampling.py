@@ -97,13 +97,20 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...])
 
 def greedy_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> torch.Tensor:
     """Each row's most likely token, on the logits' device and without waiting for it: EOS is not a choice before
-    min_tokens (one indexing kernel for the batch; the rows' indices sent from pinned memory, so the host does not
-    wait for the step either)."""
+    min_tokens (`forbid`: one indexing kernel for the batch, for which the host does not wait)."""
     early = [row for row, seq in enumerate(seqs) if len(seq.output_ids) < seq.sampling.min_tokens]
     if eos_ids and early:
-        logits[to_device(early, torch.int64, logits.device)[:, None], to_device(eos_ids, torch.int64, logits.device)] \
-            = float("-inf")
+        forbid(logits, early, eos_ids)
     return logits.argmax(dim=-1)
+
+
+def forbid(logits: torch.Tensor, rows: list[int], token_ids: tuple[int, ...]) -> None:
+    """logits[rows, token_ids] = -inf, queued without the host waiting: indices from pinned memory, the value a
+    device scalar. (A Python number assigned through an index is copied from pageable memory, which waits for the
+    whole stream, a step launched ahead included: on the H100 every benchmark step waited so, 2026-12-05.)"""
+    device = logits.device
+    logits.index_put_((to_device(rows, torch.int64, device)[:, None], to_device(token_ids, torch.int64, device)),
+                      logits.new_full((), float("-inf")))
 
 
 def sorted_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:

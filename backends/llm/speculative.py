@@ -24,7 +24,7 @@ import torch
 from backends.llm.kv_cache import BlockManager, allocate_kv_cache
 from backends.llm.model import DecoderModel
 from backends.llm.runner import ModelRunner
-from backends.llm.sampling import generator, probabilities
+from backends.llm.sampling import forbid, generator, probabilities
 from backends.llm.sequence import Sequence
 
 
@@ -48,7 +48,7 @@ def mask_early_eos(logits: torch.Tensor, seq: Sequence, eos_ids: tuple[int, ...]
     """Rows [k + 1, vocab] of one sequence's step: EOS is not a choice at a position before its min_tokens."""
     early = seq.sampling.min_tokens - len(seq.output_ids)
     if eos_ids and early > 0:
-        logits[:early, list(eos_ids)] = float("-inf")
+        forbid(logits, list(range(min(early, len(logits)))), eos_ids)
 
 
 def verify_greedy(draft: Draft, best: list[int]) -> list[int]:

@@ -211,7 +211,8 @@ def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: what waits for the device")
 def test_a_step_launched_ahead_never_waits_for_the_device(checkpoint):
     """Launching a decode step ahead of the last one's tokens (drawing them, scheduling, the inputs, the graph's
-    replay) makes no call that waits for the device (torch's sync debug mode raises on one), greedy or sampled."""
+    replay) makes no call that waits for the device (torch's sync debug mode raises on one), greedy (EOS masked before
+    min_tokens) or sampled."""
     engine = make_engine(checkpoint, device="cuda", dtype="bf16", overlap_steps=True)
     launch, ahead = engine._launch, []
 
@@ -226,7 +227,7 @@ def test_a_step_launched_ahead_never_waits_for_the_device(checkpoint):
         return ahead[-1]
 
     engine._launch = checked
-    engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12))
+    engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12, min_tokens=8))  # EOS masked in the first 8
     engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3))
     assert len(ahead) > 10 and all(step.error is None for step in ahead)
 

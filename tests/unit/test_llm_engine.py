@@ -209,27 +209,36 @@ def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: what waits for the device")
-def test_a_step_launched_ahead_never_waits_for_the_device(checkpoint):
-    """Launching a decode step ahead of the last one's tokens (drawing them, scheduling, the inputs, the graph's
-    replay) makes no call that waits for the device (torch's sync debug mode raises on one), greedy (EOS masked before
-    min_tokens) or sampled."""
+def test_a_step_launched_ahead_never_waits_for_the_device(checkpoint, monkeypatch):
+    """Drawing a step's tokens on the device and launching the next step ahead of them (scheduling, the inputs, the
+    graph's replay) make no call that waits for the device (torch's sync debug mode raises on one), greedy (EOS
+    masked before min_tokens: until 2026-12-05 that mask waited for the whole stream) or sampled."""
+    import backends.llm.engine as engine_module
+
     engine = make_engine(checkpoint, device="cuda", dtype="bf16", overlap_steps=True)
-    launch, ahead = engine._launch, []
+    calls, failures = [], []
 
-    def checked(after=None):
-        if after is None:
-            return launch()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            ahead.append(launch(after))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        return ahead[-1]
+    def strict(work):
+        def checked(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                calls.append(work(*args, **kwargs))
+            except Exception as e:  # the engine would hand it to the step: keep it for the assertion
+                failures.append(e)
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            return calls[-1]
+        return checked
 
-    engine._launch = checked
+    launch = engine._launch
+    engine._launch = lambda after=None: launch() if after is None else strict(launch)(after)
+    monkeypatch.setattr(engine_module, "draw", strict(engine_module.draw))
     engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12, min_tokens=8))  # EOS masked in the first 8
     engine.generate(PROMPTS[:4], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3))
-    assert len(ahead) > 10 and all(step.error is None for step in ahead)
+    ahead = [c for c in calls if hasattr(c, "seqs")]
+    assert not failures and len(ahead) > 10 and len(calls) > 2 * 10
+    assert all(step.error is None for step in ahead)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")

@@ -287,10 +287,13 @@ if [[ " ${SCENARIOS:-images} " == *" qos "* ]]; then
     "$py" -m pytest -q -p no:cacheprovider tests/unit/test_device_images.py
   fi
   for family in ${QOS_FAMILIES:-llm vlm}; do
-    if [ "$family" = llm ]; then preset=llama-3-8b; else preset=llava-next-8b; fi
+    # KV cache per model (three or more 8B models share the card): the llm mix needs under 300 tokens a request
+    # (4 GB holds 100 such, 64 run at once), the vlm mix ~3,000 (a 4K photo's tiles): 3 x (16 + 24 GB), an H200 only
+    if [ "$family" = llm ]; then preset=llama-3-8b kv=4000; else preset=llava-next-8b kv=24000; fi
     "${build[@]}" "$family" --random-init "$preset" --precision bf16 --device cuda
+    # shellcheck disable=SC2086
     "$py" -m perf.qos --families "$family" --checkpoint "$family=.checkpoints/random-$preset" --device cuda \
-      --precision bf16 --max-batch 64 --kv-cache-memory-mb 24000 --results "$results" --host "${HOST:-gpu}" \
+      --precision bf16 --max-batch 64 --kv-cache-memory-mb "$kv" --results "$results" --host "${HOST:-gpu}" \
       ${QOS_ARGS:-}
   done
 fi

@@ -46,8 +46,8 @@ class StepProfile:
     host_top: list[tuple[str, float]] = field(default_factory=list)  # on a GPU: the host's costliest ops, ms a step
     device_busy_ms: float | None = None  # on a GPU: a step's time with any kernel running (overlapping ones once)
     idle_gaps: tuple[int, float] = (0, 0.0)  # on a GPU: gaps of >= GAP_US between kernels, per step: count, ms
-    host_syncs: list[tuple[str, float]] = field(default_factory=list)  # on a GPU: where the host waits for the
-    # device, ms a step (`sync_sites`)
+    host_syncs: list[tuple[str, float | None]] = field(default_factory=list)  # on a GPU: where the host waits for
+    # the device, ms a step (None: counted only; `sync_sites`)
 
     @property
     def total_ms(self) -> float:
@@ -111,7 +111,7 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
     return found
 
 
-def sync_sites(engine: LLMEngine, steps: int) -> list[tuple[str, float]]:
+def sync_sites(engine: LLMEngine, steps: int) -> list[tuple[str, float | None]]:
     """Where the host waits for the device in a decode step, with ms a step: each cuda*Synchronize call the
     profiler records, by the ops around it (a torch.cuda.synchronize has none; the profiler's start waits so for
     a step launched ahead), and where the engine's code makes an op wait for the whole stream (a copy from or to
@@ -145,7 +145,7 @@ def sync_sites(engine: LLMEngine, steps: int) -> list[tuple[str, float]]:
             parent = parent.cpu_parent
         waited[f"{event.name} in {' < '.join(chain) or 'no op'}"] += event.cpu_time_total
     return ([(site, us / 1e3 / steps) for site, us in waited.most_common(6)]
-            + [(f"stream-wide wait, x{n / steps:g}: {site}", float("nan")) for site, n in warned.most_common(4)])
+            + [(f"stream-wide wait, x{n / steps:g}: {site}", None) for site, n in warned.most_common(4)])
 
 
 def device_timeline(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
@@ -171,7 +171,7 @@ def describe(found: StepProfile) -> str:
         f"; some kernel running {found.device_busy_ms:.2f} ms a step, {found.idle_gaps[0]} gaps of >= {GAP_US:.0f} us "
         f"between kernels a step, {found.idle_gaps[1]:.3f} ms")
     syncs = "" if found.device_busy_ms is None else "; where the host waits, ms a step: " + (
-        "; ".join(site + ("" if ms != ms else f" {ms:.3f}") for site, ms in found.host_syncs) or "none")
+        "; ".join(site + ("" if ms is None else f" {ms:.3f}") for site, ms in found.host_syncs) or "none")
     return (f"decode steps of {found.rows} rows under the profiler: {found.wall_ms:.2f} ms a step, kernels "
             f"{found.total_ms:.2f} ms ({parts}){timeline}; costliest kernels, ms a step: {top}"
             + (f"; the host's costliest ops (self time), ms a step: {host}" if host else "")

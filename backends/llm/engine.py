@@ -425,7 +425,8 @@ class LLMEngine:
                 if after is not None:  # (`_can_follow` leaves no prompt that could)
                     raise RuntimeError("a step launched ahead has prompt rows beside tokens not yet known")
                 rows = [s.step_tokens for s in seqs]
-                launched.logits = self.runner.decode(seqs, rows=rows)[[r - 1 for r in itertools.accumulate(rows)]]
+                last = to_device([r - 1 for r in itertools.accumulate(rows)], torch.int64, self.device)
+                launched.logits = self.runner.decode(seqs, rows=rows)[last]  # (indices from pinned memory: no wait)
             else:
                 launched.logits = self.runner.decode(seqs, ids=None if after is None else self._taken(after, seqs))
         except Exception as e:  # raised when the step completes (as StepFailed)
@@ -465,7 +466,8 @@ class LLMEngine:
                 every = chosen(launched.drawn)
                 tokens = [every[i] if isinstance(every[i], Exception) else [every[i]] for i in done]
             elif tokens is None:
-                logits = launched.logits if len(done) == len(seqs) else launched.logits[done]
+                logits = launched.logits if len(done) == len(seqs) else \
+                    launched.logits[to_device(done, torch.int64, self.device)]
                 tokens = [t if isinstance(t, Exception) else [t] for t in sample(
                     logits, [seqs[i] for i in done], self.eos_ids)]
         except Exception as e:

@@ -17,6 +17,7 @@ from perf import genai_perf
 from perf.gpu import served_device
 from perf.llm import LoadSpec, make_prompts, run_load, summarize
 from perf.report import plot_curves, stem, write_table
+from perf.server_metrics import engine_steps, model_metrics
 from perf.token_stream import write_token_stream_model
 
 # (concurrency, input tokens, output tokens) of the LLM streaming benchmark
@@ -51,8 +52,13 @@ def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Pa
     for concurrency, input_tokens, output_tokens in loads:
         spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
         prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False), decode)
+        before, start = model_metrics(server.metrics_url, model), time.perf_counter()
         timings = asyncio.run(run_load(server.grpc_url, model, prompts, spec, {"min_length": output_tokens}))
+        wall_s = time.perf_counter() - start
         rows.append(llm_row(model, "perf/llm.py", spec, summarize(timings, count)))
+        time.sleep(0.5)  # the engine loop observes a request's timings after its final response
+        if note := server_side(before, model_metrics(server.metrics_url, model), wall_s):
+            notes.append(f"perf/llm.py at concurrency {concurrency}, {input_tokens} in / {output_tokens} out: {note}")
         if (concurrency, input_tokens, output_tokens) in genai_loads and genai_perf.available():
             work = tmp / f"genai-perf-{model}-{concurrency}-{input_tokens}-{output_tokens}"
             try:
@@ -63,6 +69,18 @@ def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Pa
                              f"failed ({str(e).splitlines()[0][:120]}).")
         print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
     return rows, notes
+
+
+def server_side(before: dict[str, float], after: dict[str, float], wall_s: float) -> str | None:
+    """The server's own view of a load (mm_llm's llm_* metrics; None for a model without them): its mean time from
+    `execute` to a request's first token beside what the client measured, and the engine's steps."""
+    name = "llm_time_to_first_token_seconds"
+    count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+    if not count:
+        return None
+    ttft_ms = 1e3 * (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / count
+    return (f"TTFT in the server (from `execute` to the first token) {ttft_ms:.1f} ms on average over {count:.0f} "
+            f"requests (perf/llm.py's warm-up round too); {engine_steps(before, after, wall_s)}.")
 
 
 def write_llm_results(results: Path, scenario: str, rows: list[list], hardware: str, notes: list[str]) -> None:
@@ -127,7 +145,7 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
     with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-llm-8b.log"),
                       model_control="explicit", load_models=["llm"]) as server:
         ready_s = time.perf_counter() - start
-        rows, _ = llm_streaming(server, "llm", folder, tmp, loads=loads, genai_loads=[])
+        rows, notes = llm_streaming(server, "llm", folder, tmp, loads=loads, genai_loads=[])
     tokenizer = AutoTokenizer.from_pretrained(folder)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731  (as llm_streaming counts)
     engine = LLMEngine(folder, EngineConfig.from_config(read_parameters(repository / "llm" / "config.pbtxt")))
@@ -147,7 +165,7 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
         "driven by perf/llm.py over gRPC streaming; then the same checkpoint and engine parameters in process on the "
         "same prompts, with the same number of requests kept in flight (a new one added as one finishes). Every "
         "request asks for exactly `output tokens` (min_length = max_tokens); both count output tokens by "
-        "re-tokenising the text.",
+        "re-tokenising the text.", *notes,
         f"Server start to ready (tritonserver, the python stub, the engine: weights, KV cache, CUDA graphs): "
         f"{ready_s:.1f} s; reading the {size / 2**30:.1f} GiB of weights' files alone: {read_s:.1f} s (just "
         "written, so likely from the page cache)."])

@@ -257,3 +257,14 @@ def test_qos_variants_are_named_flag_lists():
     assert variant("q=--qos-max-queued high=1,low=2") == ("q", ["--qos-max-queued", "high=1,low=2"])
     with pytest.raises(argparse.ArgumentTypeError):
         variant("no flags=")
+
+
+def test_served_llm_notes_the_servers_own_time_to_first_token():
+    from perf.llm_scenarios import server_side
+
+    before = {"llm_time_to_first_token_seconds_count": 2.0, "llm_time_to_first_token_seconds_sum": 0.5}
+    after = {"llm_time_to_first_token_seconds_count": 6.0, "llm_time_to_first_token_seconds_sum": 0.9,
+             "llm_decode_steps_total": 40.0, "llm_decode_seconds_total": 0.2}
+    note = server_side(before, after, wall_s=1.0)
+    assert "100.0 ms on average over 4 requests" in note and "40 decode steps" in note
+    assert server_side({}, {"nv_inference_count": 3.0}, wall_s=1.0) is None  # a model without llm_* metrics

@@ -73,13 +73,36 @@ def upscale_masks(low_res: torch.Tensor, size: tuple[int, int], pad_size: int) -
     return F.interpolate(masks, (height, width), mode="bilinear", align_corners=False)
 
 
-def coco_rle(masks: np.ndarray) -> list[dict]:
-    """Each bool mask [K, H, W] as COCO's compressed RLE, {"size": [H, W], "counts": str}, by pycocotools (what
-    `pycocotools.mask.decode` takes back): about a byte a run where the pixels take a byte each."""
+def coco_rle(masks: torch.Tensor | np.ndarray) -> list[dict]:
+    """Each bool mask [K, H, W] as COCO's compressed RLE, {"size": [H, W], "counts": str} (what
+    `pycocotools.mask.decode` takes back): about a byte a run where the pixels take a byte each. Masks on a GPU are
+    scanned there (`run_lengths`: only the runs come back, not the pixels), others by pycocotools' C scan."""
     from pycocotools import mask as coco
 
-    encoded = coco.encode(np.asfortranarray(masks.transpose(1, 2, 0), dtype=np.uint8))
-    return [{"size": [int(h) for h in rle["size"]], "counts": rle["counts"].decode()} for rle in encoded]
+    if isinstance(masks, torch.Tensor) and masks.is_cuda:
+        encoded = coco.frPyObjects(run_lengths(masks), *masks.shape[1:])
+    else:
+        encoded = coco.encode(np.asfortranarray(np.asarray(masks).transpose(1, 2, 0), dtype=np.uint8))
+    return [{"size": [int(side) for side in rle["size"]], "counts": rle["counts"].decode()} for rle in encoded]
+
+
+def run_lengths(masks: torch.Tensor) -> list[dict]:
+    """COCO's uncompressed RLE of each bool mask [K, H, W] ({"size", "counts"}: alternating runs of 0s and 1s down
+    the columns, 0s first), found where the masks are; one sync, and the runs' ends copied back."""
+    k, h, w = masks.shape
+    flat = masks.transpose(1, 2).reshape(k, h * w)
+    ends = torch.ones(k, h * w + 1, dtype=torch.bool, device=masks.device)  # where a run starts, and the end
+    ends[:, 1:-1] = flat[:, 1:] != flat[:, :-1]
+    at = ends.nonzero()[:, 1].int()  # row-major: each mask's positions in order
+    per_mask, first = ends.sum(1), flat[:, 0]
+    at, per_mask, first = at.cpu().numpy(), per_mask.cpu().numpy(), first.cpu().numpy()
+    encoded = []
+    for positions, ones_first in zip(np.split(at, np.cumsum(per_mask)[:-1]), first):
+        counts = np.diff(positions).astype(np.uint32)
+        if ones_first:  # the counts begin with the run of 0s, empty here
+            counts = np.concatenate([np.zeros(1, np.uint32), counts])
+        encoded.append({"size": [h, w], "counts": counts})
+    return encoded
 
 
 @dataclass
@@ -285,15 +308,15 @@ class SamEngine:
                 asked = [prompts[rows[row][0]] for row in members]
                 wanted = {name for name in ("masks", "masks_rle", "low_res_logits")
                           if any(prompt.wants(name) for prompt in asked)}
-                pixels = (upscale_masks(kept, size, self.pad_size) > 0).cpu().numpy() \
-                    if wanted & {"masks", "masks_rle"} else None
+                upscaled = upscale_masks(kept, size, self.pad_size) > 0 if wanted & {"masks", "masks_rle"} else None
+                pixels = upscaled.cpu().numpy() if "masks" in wanted else None
                 logits = kept.float().cpu().numpy() if "low_res_logits" in wanted else None
                 scores = iou[index, chosen].float().cpu().numpy()
                 for k, (row, prompt) in enumerate(zip(members, asked)):
                     results[rows[row][0]] = Segmentation(
                         pixels[k] if prompt.wants("masks") else None, scores[k],
                         logits[k] if prompt.wants("low_res_logits") else None,
-                        coco_rle(pixels[k]) if prompt.wants("masks_rle") else None)
+                        coco_rle(upscaled[k]) if prompt.wants("masks_rle") else None)
         return results
 
     @staticmethod

@@ -252,6 +252,27 @@ def test_masks_as_rle_decode_with_pycocotools_to_the_binary_masks(engine):
         np.testing.assert_array_equal(coco.decode(rle).astype(bool), want)
 
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_run_lengths_found_where_the_masks_are_compress_as_pycocotools_encodes(device):
+    """`run_lengths` (the scan a GPU's masks get) gives the runs pycocotools' own scan finds: empty and full masks, a
+    first pixel set (counts begin with an empty run of zeros), speckle, a block in a non-square mask; `coco_rle`
+    gives the same strings from a device tensor and from pixels."""
+    from pycocotools import mask as coco
+
+    from backends.sam.engine import coco_rle, run_lengths
+
+    block = np.zeros((1, 6, 9), bool)
+    block[0, 2:4, 1:5] = True
+    speckle = np.random.default_rng(3).random((3, 17, 11)) > 0.5
+    for masks in (np.zeros((2, 5, 7), bool), np.ones((1, 4, 3), bool), speckle, block):
+        want = [rle["counts"] for rle in coco.encode(np.asfortranarray(masks.transpose(1, 2, 0), dtype=np.uint8))]
+        runs = run_lengths(torch.from_numpy(masks).to(device))
+        assert [rle["counts"] for rle in coco.frPyObjects(runs, *masks.shape[1:])] == want
+        assert [rle["counts"].encode() for rle in coco_rle(torch.from_numpy(masks).to(device))] == want
+    assert run_lengths(torch.ones(1, 2, 2, dtype=torch.bool, device=device))[0]["counts"].tolist() == [0, 4]
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_of_the_decoder_equal_op_by_op(sam_checkpoint, tmp_path, monkeypatch):
     """Prompts of 2 and 3 tokens replay graphs (a batch of 5 in graphs of 4 and 1 rows), 5 tokens run op by op;

@@ -68,9 +68,9 @@ class EngineConfig(QosParams):
     # graph has spare: a prompt that fits joins it whole instead of a prefill step of its own; 0: never
     overlap_steps: bool | None = None  # launch the next decode step before this one's tokens are back (no prompt
     # waiting), else as soon as they are, before their text is decoded: the GPU runs while the host works. Unset: on
-    # a GPU (Llama-3-8B shapes, bf16, H200: 64 x 128/128 0.99-1.08x and batch 1 0.96-0.98x in three runs, served at
-    # 64 streams 14,560 against 11,950 tokens/s; H100 1.07-1.14x and 1.01-1.02x; README), off on the CPU, where a
-    # step is done when launched and there is nothing to overlap
+    # a GPU (Llama-3-8B shapes, bf16, H100, since the EOS mask no longer waits for the stream: 64 x 128/128
+    # 1.13-1.20x, batch 1 1.04-1.08x in two runs; README), off on the CPU, where a step is done when launched and
+    # there is nothing to overlap
     qos_lower_rides: bool = False  # while a higher QoS class runs, lower-class text prompts start only in decode
     # steps, in chunks of prompt_rows (decode graphs get that many more rows), never by a prefill step that holds the
     # higher class up; off: they start within qos_lower_share (not yet measured on a GPU: README, QoS)

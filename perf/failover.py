@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.server import TritonServer, free_port
-from client.balancer import Watcher, reload_nginx, upstream_block
+from client.balancer import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Watcher, reload_nginx, upstream_block
 from client.sdk import http_generate_stream
 from perf.inputs import model_items
 from perf.report import hardware_line, write_table
@@ -152,6 +152,15 @@ def stream_once(url: str, tokens: int) -> Outcome:
     return timed(lambda: list(http_generate_stream(url, "llm", body, timeout_s=60)))
 
 
+def fail(pid: int, fault: str) -> None:
+    """"kill": the tritonserver process crashes (its stubs exit at their next beat); "stop": the whole server hangs,
+    stubs included, as `docker pause` freezes a container (the server runs in its own session)."""
+    if fault == "kill":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        os.killpg(pid, signal.SIGSTOP)
+
+
 @dataclasses.dataclass
 class FailoverResult:
     requests: list[Outcome]
@@ -165,7 +174,7 @@ class FailoverResult:
 def run(repository: Path, workdir: Path, rate: float = 40.0, duration_s: float = 10.0, kill_after_s: float = 4.0,
         streams: int = 4, stream_tokens: int = 500, fault: str = "kill", active: bool = False) -> FailoverResult:
     """Servers A and B (vit, llm, health) behind nginx; `rate` vit requests/s open loop for `duration_s`; `streams`
-    LLM streams start a second before B is killed (`fault` "kill": SIGKILL; "stop": SIGSTOP, a hung server);
+    LLM streams start a second before B is killed (`fault` "kill": SIGKILL; "stop": SIGSTOP to all its processes);
     `active`: client.balancer takes failing servers out of nginx's upstream."""
     servers = [TritonServer(repository, free_port(), free_port(), free_port(), workdir / f"server-{i}.log",
                             model_control="explicit", load_models=["vit", "llm", "health"]) for i in range(2)]
@@ -188,14 +197,14 @@ def run(repository: Path, workdir: Path, rate: float = 40.0, duration_s: float =
                         stream_futures = [pool.submit(stream_once, url, stream_tokens) for _ in range(streams)]
                     if killed_at is None and now - start >= kill_after_s:
                         killed_at = time.time()
-                        os.kill(servers[1].process.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                        fail(servers[1].process.pid, fault)
                     requests.append(pool.submit(timed, lambda: infer_once(url, image)))
                 outcomes = [f.result() for f in requests]
                 stream_outcomes = [f.result() for f in stream_futures]
             if watcher is not None:
                 watcher.stop()
             if fault == "stop":
-                os.kill(servers[1].process.pid, signal.SIGKILL)  # a stopped process cannot shut down
+                os.killpg(servers[1].process.pid, signal.SIGKILL)  # stopped processes cannot shut down
             log = nginx.log()
     return FailoverResult(outcomes, stream_outcomes, killed_at, ports[1], log,
                           watcher.changes if watcher else None)
@@ -261,12 +270,14 @@ def main(argv: list[str] | None = None) -> int:
                 ["Two tritonservers (vit, llm, health; this repository) behind nginx on loopback. Passive checks: "
                  "max_fails 1, fail_timeout 10 s, proxy_next_upstream error timeout 502 503 504 non_idempotent, 2 "
                  f"tries, connect timeout 1 s, read timeout 5 s, {STREAM_READ_TIMEOUT_S} s between the events of "
-                 "generate_stream. Active checks: client.balancer probes each server's health model every 0.25 s "
-                 "(0.5 s timeout) and reloads nginx without the failing one. vit requests through tritonclient HTTP "
-                 "at a fixed rate (open loop); 4 LLM streams (HTTP generate_stream, client.sdk: a stream whose last "
-                 "event has no finish_reason raises) started a second before server B is hit: kill = SIGKILL, stop "
-                 "= SIGSTOP (a hung server: connections accepted by the kernel, never answered). Failed = what the "
-                 "client saw after nginx's retry. Requests sent to B: nginx's access log.",
+                 "generate_stream. Active checks: client.balancer probes each server's health model every "
+                 f"{PROBE_INTERVAL_S} s ({PROBE_TIMEOUT_S} s timeout) and reloads nginx without the failing one. "
+                 "vit requests through tritonclient HTTP at a fixed rate (open loop); 4 LLM streams (HTTP "
+                 "generate_stream, client.sdk: a stream whose last event has no finish_reason raises) started a "
+                 "second before server B is hit: kill = SIGKILL to tritonserver, stop = SIGSTOP to it and its stubs "
+                 "(a hung server, as `docker pause` freezes a container: connections accepted by the kernel, never "
+                 "answered). Failed = what the client saw after nginx's retry. Requests sent to B: nginx's access "
+                 "log.",
                  *errors, f"Command line: python -m perf.failover {' '.join(argv or sys.argv[1:])}"])
     return 0
 

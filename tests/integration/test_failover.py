@@ -15,9 +15,11 @@ def test_a_failed_server_loses_no_request_and_leaves_the_rotation(repository, tm
                  fault=fault, active=active)
     figures = summary(result)
     assert figures["requests"] == 100 and figures["failed"] == 0, [o.error for o in result.requests if o.error]
-    assert figures["last of them sent, s after the fault"] < 1.0, figures
+    shown = str(figures)  # whole (pytest shortens a dict); printed, so a failing run's log has them
+    print(shown)
+    assert figures["last of them sent, s after the fault"] < 1.0, shown
     if active:
-        assert figures["active checks took B out, s after the fault"] < 1.0, figures
+        assert figures["active checks took B out, s after the fault"] < 1.0, shown
     # the streams B was serving raise (their last event has no finish_reason); the others finish
-    assert figures["streams ended with an error"] == figures["streams on B at the fault"], figures
+    assert figures["streams ended with an error"] == figures["streams on B at the fault"], shown
     assert all(s.end - result.killed_at < STREAM_READ_TIMEOUT_S + 5 for s in result.streams)  # none hangs

@@ -77,6 +77,7 @@ def test_the_balancer_marks_a_failing_server_down_at_once_and_up_after_rise_prob
 
     healthy = {"a:8000": True, "b:8000": True}
     monkeypatch.setattr(balancer, "probe", lambda server, timeout_s: healthy[server])
+    monkeypatch.setattr(balancer, "alive", lambda server, timeout_s: True)
     reloads = []
     watcher = balancer.Watcher(list(healthy), tmp_path / "upstream.conf", lambda: reloads.append(1), rise=2)
     assert not watcher.poll() and " down" not in (tmp_path / "upstream.conf").read_text()
@@ -90,6 +91,36 @@ def test_the_balancer_marks_a_failing_server_down_at_once_and_up_after_rise_prob
     watcher.poll()  # everyone failing: all stay listed, passive checks decide
     assert " down" not in (tmp_path / "upstream.conf").read_text()
     watcher.stop()
+
+
+def test_the_balancer_takes_a_frozen_server_out_without_waiting_for_its_deep_probe(tmp_path, monkeypatch):
+    """A frozen server leaves its deep probe waiting out the long timeout; the quick check's own loop fails it
+    first, and the other server's probes go on."""
+    import threading
+
+    import client.balancer as balancer
+
+    frozen, thawed = threading.Event(), threading.Event()
+
+    def deep(server: str, timeout_s: float) -> bool:  # b's hangs until its timeout once frozen
+        return server == "a:8000" or not frozen.is_set() or thawed.wait(timeout_s)
+
+    monkeypatch.setattr(balancer, "alive", lambda server, timeout_s: not (server == "b:8000" and frozen.is_set()))
+    monkeypatch.setattr(balancer, "probe", deep)
+    watcher = balancer.Watcher(["a:8000", "b:8000"], tmp_path / "upstream.conf", lambda: None, interval_s=0.01,
+                               timeout_s=30.0).start()
+    time.sleep(0.1)
+    frozen.set()
+    froze = time.time()
+    deadline = time.monotonic() + 5
+    while watcher.healthy["b:8000"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    watcher.stop()
+    thawed.set()
+    assert watcher.changes[0][0] - froze < 1.0 and watcher.changes[0][1:] == ("b:8000", False), watcher.changes
+    assert watcher.healthy["a:8000"] and "server b:8000 max_fails=1 fail_timeout=10s down;" in \
+        (tmp_path / "upstream.conf").read_text()
 
 
 def test_a_loop_whose_server_is_gone_exits(tmp_path):

@@ -28,6 +28,7 @@ class StreamTiming:
     text: str
     error: str | None = None
     ended: float = 0.0  # when the final response (or the error) arrived
+    request_id: str = ""  # the id it was sent with (Triton's trace and the engine's spans record it)
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,14 @@ async def stream_one(client: grpcclient.InferenceServerClient, model: str, input
     """Send one request (with request `parameters`, e.g. {"qos_class": "high"}) on its own stream and timestamp
     every response until the final one."""
     done = asyncio.Event()
+    request_id = uuid.uuid4().hex
 
     async def request_iterator():
-        yield {"model_name": model, "inputs": inputs, "request_id": uuid.uuid4().hex,
+        yield {"model_name": model, "inputs": inputs, "request_id": request_id,
                "enable_empty_final_response": True, "parameters": parameters}
         await done.wait()  # keep the stream open until the final response arrived
 
-    timing = StreamTiming(time.perf_counter(), [], "")
+    timing = StreamTiming(time.perf_counter(), [], "", request_id=request_id)
     pieces = []
     try:
         # read to the stream's end: once the final response arrived the request iterator ends, and the server closes

@@ -13,7 +13,7 @@ from PIL import Image
 
 from backends.server import TritonServer, free_port
 from build_engines.checkpoints import byte_level_tokenizer
-from perf import genai_perf
+from perf import genai_perf, ttft_split
 from perf.gpu import served_device
 from perf.llm import LoadSpec, make_prompts, run_load, summarize
 from perf.report import plot_curves, stem, write_table
@@ -36,8 +36,9 @@ def llm_row(model: str, tool: str, spec: LoadSpec, m: dict) -> list:
 
 def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Path, loads=LLM_LOADS,
                   genai_loads=GENAI_PERF_LOADS) -> tuple[list[list], list[str]]:
-    """perf/llm.py at each load (and genai-perf at `genai_loads` when installed), one row per measurement, and notes
-    on the genai-perf runs that found no stable measurement."""
+    """perf/llm.py at each load (and genai-perf at `genai_loads` when installed), one row per measurement, and notes:
+    the server's own view of each load, its TTFT by stage when the server traces (traced_server), and the genai-perf
+    runs that found no stable measurement."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -58,6 +59,9 @@ def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Pa
         rows.append(llm_row(model, "perf/llm.py", spec, summarize(timings, count)))
         time.sleep(0.5)  # the engine loop observes a request's timings after its final response
         if note := server_side(before, model_metrics(server.metrics_url, model), wall_s):
+            notes.append(f"perf/llm.py at concurrency {concurrency}, {input_tokens} in / {output_tokens} out: {note}")
+        if server.trace_file is not None and (note := ttft_split.describe(ttft_split.stage_ms(timings,
+                                                                                            server.trace_file))):
             notes.append(f"perf/llm.py at concurrency {concurrency}, {input_tokens} in / {output_tokens} out: {note}")
         if (concurrency, input_tokens, output_tokens) in genai_loads and genai_perf.available():
             work = tmp / f"genai-perf-{model}-{concurrency}-{input_tokens}-{output_tokens}"
@@ -115,8 +119,7 @@ def calibration_bench(results: Path, tmp: Path, hardware: str, first_token_ms: f
 
 def served_llm_bench(repository: Path, results: Path, tmp: Path, hardware: str) -> None:
     """The same streaming loads against the served `llm` (tiny model here; output length forced by min_length)."""
-    with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-llm.log"),
-                      model_control="explicit", load_models=["llm"]) as server:
+    with traced_server(repository, "llm", Path("logs/bench-llm.log"), tmp) as server:
         rows, genai_notes = llm_streaming(server, "llm", repository / "llm" / "1", tmp)
     write_llm_results(results, "llm-streaming", rows, hardware,
                       ["`llm` served from model_repository (its engine parameters in the model config); every request "
@@ -127,6 +130,13 @@ def served_llm_bench(repository: Path, results: Path, tmp: Path, hardware: str) 
 
 
 LLM_8B_LOADS = [(1, 128, 128), (16, 128, 128), (64, 128, 128)]
+
+
+def traced_server(repository: Path, model: str, log: Path, tmp: Path) -> TritonServer:
+    """`model` alone, Triton tracing one request in TRACE_RATE (and the engine's spans) so that llm_streaming can
+    split its TTFT by stage; the traces go under `tmp`."""
+    return TritonServer(repository, free_port(), free_port(), free_port(), log, model_control="explicit",
+                        load_models=[model], trace_file=tmp / "trace" / "trace.json", trace_rate=ttft_split.TRACE_RATE)
 
 
 def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hardware: str,
@@ -142,8 +152,7 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
     folder = repository / "llm" / "1"
     read_s = read_files_s(sorted(folder.glob("*.safetensors")))
     start = time.perf_counter()
-    with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-llm-8b.log"),
-                      model_control="explicit", load_models=["llm"]) as server:
+    with traced_server(repository, "llm", Path("logs/bench-llm-8b.log"), tmp) as server:
         ready_s = time.perf_counter() - start
         rows, notes = llm_streaming(server, "llm", folder, tmp, loads=loads, genai_loads=[])
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -90,3 +90,20 @@ def test_vlm_breakdown_times_every_part(repository, tmp_path):
              if line.startswith("| ") and not line.startswith("| part")}
     assert len(parts) == 6 and all(ms > 0 for ms in parts.values())
     assert "aten::" in table.read_text()  # the profiler's operator table
+
+
+def test_served_llm_streaming_splits_time_to_first_token_by_stage(repository, tmp_path):
+    """perf's served LLM scenarios trace one request in TRACE_RATE: the notes split TTFT into stages whose
+    boundaries come from three sources (perf/llm.py, Triton's trace, the engine's spans) on one clock."""
+    import re
+
+    from perf.llm_scenarios import llm_streaming, traced_server
+
+    with traced_server(repository, "llm", tmp_path / "server.log", tmp_path) as server:
+        rows, notes = llm_streaming(server, "llm", repository / "llm" / "1", tmp_path, loads=[(2, 8, 4)],
+                                    genai_loads=[])
+    (split,) = [note for note in notes if "TTFT by stage" in note]
+    figures = [float(x) for x in re.findall(r" (-?[\d.]+) / -?[\d.]+", split)]
+    assert len(figures) == 7 and "2 traced requests" in split, split  # 18 requests (a warm-up round of 2), 1 in 8
+    assert all(ms >= 0 for ms in figures), split  # each stage ends after it starts: one clock, the right joins
+    assert figures[-1] <= rows[0][8], split  # the stages add up to the client's TTFT (here at most its p99)

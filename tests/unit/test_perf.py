@@ -268,3 +268,29 @@ def test_served_llm_notes_the_servers_own_time_to_first_token():
     note = server_side(before, after, wall_s=1.0)
     assert "100.0 ms on average over 4 requests" in note and "40 decode steps" in note
     assert server_side({}, {"nv_inference_count": 3.0}, wall_s=1.0) is None  # a model without llm_* metrics
+
+
+def test_ttft_split_joins_client_trace_and_spans_by_request_id(tmp_path):
+    from perf.llm import StreamTiming
+    from perf.ttft_split import STAGES, describe, stage_ms
+
+    trace = tmp_path / "trace.json"
+    # Triton wrote one file per trace (log-frequency 1); "b" was not traced, "c" is an ensemble step's child
+    stamps = {"REQUEST_START": 1_002_000_000, "COMPUTE_START": 1_005_000_000}
+    (tmp_path / "trace.json.0").write_text(json.dumps([{"id": 1, "model_name": "llm", "request_id": "a", "timestamps":
+                                                        [{"name": k, "ns": v} for k, v in stamps.items()]}]))
+    (tmp_path / "trace.json.1").write_text(json.dumps([{"id": 2, "model_name": "llm", "request_id": "c",
+                                                        "parent_id": 9, "timestamps": []}]))
+    spans = {"queued": 1_006_000_000, "admitted": 1_010_000_000, "first_token": 1_030_000_000}
+    (tmp_path / "trace.json.spans.jsonl").write_text("".join(
+        json.dumps({"request_id": rid, "model": "llm", "spans": spans}) + "\n" for rid in "abc"))
+    timings = [StreamTiming(1.0, [1.031, 1.04], "xy", request_id=rid) for rid in "abc"]
+    stages = stage_ms(timings, trace)
+    assert list(stages) == [name for name, _, _ in STAGES]
+    assert {k: v.item() for k, v in stages.items()} == pytest.approx(
+        {"client to Triton": 2.0, "Triton's queue": 3.0, "execute": 1.0, "waiting for the engine loop": 4.0,
+         "admitted to first token": 20.0, "first token to client": 1.0}, rel=1e-6)
+    note = describe(stages)
+    assert "1 traced requests" in note and "Triton's queue 3.0 / 3.0" in note
+    assert note.endswith("all of them 31.0 / 31.0.")
+    assert describe(stage_ms(timings, tmp_path / "none.json")) is None

@@ -58,11 +58,12 @@ def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Pa
         wall_s = time.perf_counter() - start
         rows.append(llm_row(model, "perf/llm.py", spec, summarize(timings, count)))
         time.sleep(0.5)  # the engine loop observes a request's timings after its final response
+        load = f"perf/llm.py at concurrency {concurrency}, {input_tokens} in / {output_tokens} out"
         if note := server_side(before, model_metrics(server.metrics_url, model), wall_s):
-            notes.append(f"perf/llm.py at concurrency {concurrency}, {input_tokens} in / {output_tokens} out: {note}")
+            notes.append(f"{load}: {note}")
         if server.trace_file is not None and (note := ttft_split.describe(ttft_split.stage_ms(timings,
                                                                                             server.trace_file))):
-            notes.append(f"perf/llm.py at concurrency {concurrency}, {input_tokens} in / {output_tokens} out: {note}")
+            notes.append(f"{load}: {note}")
         if (concurrency, input_tokens, output_tokens) in genai_loads and genai_perf.available():
             work = tmp / f"genai-perf-{model}-{concurrency}-{input_tokens}-{output_tokens}"
             try:

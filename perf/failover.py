@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from backends.server import TritonServer, free_port
-from client.balancer import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Watcher, reload_nginx, upstream_block
+from client.balancer import (LIVE_TIMEOUT_S, PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Watcher, reload_nginx,
+                             upstream_block)
 from client.sdk import http_generate_stream
 from perf.inputs import model_items
 from perf.report import hardware_line, write_table
@@ -270,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                 ["Two tritonservers (vit, llm, health; this repository) behind nginx on loopback. Passive checks: "
                  "max_fails 1, fail_timeout 10 s, proxy_next_upstream error timeout 502 503 504 non_idempotent, 2 "
                  f"tries, connect timeout 1 s, read timeout 5 s, {STREAM_READ_TIMEOUT_S} s between the events of "
-                 "generate_stream. Active checks: client.balancer probes each server's health model every "
-                 f"{PROBE_INTERVAL_S} s ({PROBE_TIMEOUT_S} s timeout) and reloads nginx without the failing one. "
+                 f"generate_stream. Active checks: every {PROBE_INTERVAL_S} s client.balancer probes each server's "
+                 f"/v2/health/live ({LIVE_TIMEOUT_S} s timeout) and health model ({PROBE_TIMEOUT_S} s timeout) and "
+                 "reloads nginx without the failing one. "
                  "vit requests through tritonclient HTTP at a fixed rate (open loop); 4 LLM streams (HTTP "
                  "generate_stream, client.sdk: a stream whose last event has no finish_reason raises) started a "
                  "second before server B is hit: kill = SIGKILL to tritonserver, stop = SIGSTOP to it and its stubs "

@@ -225,6 +225,7 @@ def summary(result: FailoverResult) -> dict[str, float | int]:
     on_dead = [row for row in result.log if row["upstreams"][-1] == dead and row["uri"].endswith("/generate_stream")
                and row["end"] >= result.killed_at]
     downs = [(t - result.killed_at, server == dead) for t, server, up in result.changes or [] if not up]
+
     def p(times: list[float], q: float) -> float:  # ms; NaN when none succeeded (the test then names the errors)
         return 1e3 * float(np.percentile(times, q)) if times else float("nan")
 

@@ -93,10 +93,11 @@ async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec, ext
 
 
 async def closed_loop(send: Callable[[int], Awaitable[StreamTiming]], spec: LoadSpec) -> list[StreamTiming]:
-    """A warm-up round of `spec.concurrency` requests, then the `spec.requests` measured ones, each worker of
-    `spec.concurrency` sending its next one (`send(i)`: the i-th) as soon as its last one ended."""
-    async def drive(count: int) -> list[StreamTiming]:
-        queue, results = iter(range(count)), []
+    """A warm-up round of `spec.concurrency` requests (`send(0)`...), then the `spec.requests` measured ones (`send(i)`
+    for the i-th after them, so that prompts never repeat where there are enough), each worker of `spec.concurrency`
+    sending its next one as soon as its last one ended."""
+    async def drive(indices: range) -> list[StreamTiming]:
+        queue, results = iter(indices), []
 
         async def worker():
             for i in queue:
@@ -104,8 +105,8 @@ async def closed_loop(send: Callable[[int], Awaitable[StreamTiming]], spec: Load
         await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
         return results
 
-    await drive(spec.concurrency)
-    return await drive(spec.requests)
+    await drive(range(spec.concurrency))
+    return await drive(range(spec.concurrency, spec.concurrency + spec.requests))
 
 
 def summarize(timings: list[StreamTiming], count_tokens: Callable[[str], int] | None = None) -> dict[str, float]:

@@ -46,13 +46,10 @@ def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Pa
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids)
-
     rows, notes = [], []
     for concurrency, input_tokens, output_tokens in loads:
         spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
-        prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False), decode)
+        prompts = load_prompts(tokenizer, spec)
         before, start = model_metrics(server.metrics_url, model), time.perf_counter()
         timings = asyncio.run(run_load(server.grpc_url, model, prompts, spec, {"min_length": output_tokens}))
         wall_s = time.perf_counter() - start
@@ -74,6 +71,14 @@ def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Pa
                              f"failed ({str(e).splitlines()[0][:120]}).")
         print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
     return rows, notes
+
+
+def load_prompts(tokenizer, spec: LoadSpec) -> list[str]:
+    """One prompt for each request of a load and its warm-up round, none repeated, so that prefix caching finds
+    nothing and every prompt token is computed; the same for the same load (the seed is its shape)."""
+    return make_prompts(spec.concurrency + spec.requests, spec.input_tokens,
+                        lambda t: tokenizer.encode(t, add_special_tokens=False), tokenizer.decode,
+                        seed=spec.concurrency * 10**6 + spec.input_tokens)
 
 
 def server_side(before: dict[str, float], after: dict[str, float], wall_s: float) -> str | None:
@@ -161,11 +166,10 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
     engine = LLMEngine(folder, EngineConfig.from_config(read_parameters(repository / "llm" / "config.pbtxt")))
     in_process_tokens_per_s(engine, ["warm up"] * 4, 4, 8, 16, count)  # compiles the prefill kernels
     for row, (concurrency, input_tokens, output_tokens) in zip(list(rows), loads):
-        prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False),
-                               tokenizer.decode)
-        ours = in_process_tokens_per_s(engine, prompts, concurrency, output_tokens, max(16, 4 * concurrency), count)
-        rows.append(["llm", "in process", concurrency, input_tokens, output_tokens, max(16, 4 * concurrency),
-                     *["-"] * 7, ours])
+        spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
+        prompts = load_prompts(tokenizer, spec)[concurrency:]  # the served load's measured requests' prompts
+        ours = in_process_tokens_per_s(engine, prompts, concurrency, output_tokens, spec.requests, count)
+        rows.append(["llm", "in process", concurrency, input_tokens, output_tokens, spec.requests, *["-"] * 7, ours])
         print(f"c={concurrency}: served {row[13]:.1f}, in process {ours:.1f} tokens/s (served / in process "
               f"{row[13] / ours:.2f})", flush=True)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
@@ -173,9 +177,9 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
         f"`llm` built by `build_engines llm --random-init llama-3-8b --precision bf16 --device cuda` (Llama-3-8B "
         "shapes, random bf16 weights, the tiny byte-level tokenizer's vocabulary), served by tritonserver and "
         "driven by perf/llm.py over gRPC streaming; then the same checkpoint and engine parameters in process on the "
-        "same prompts, with the same number of requests kept in flight (a new one added as one finishes). Every "
-        "request asks for exactly `output tokens` (min_length = max_tokens); both count output tokens by "
-        "re-tokenising the text.", *notes,
+        "same prompts (a distinct one for each request: prefix caching finds nothing), with the same number of "
+        "requests kept in flight (a new one added as one finishes). Every request asks for exactly `output tokens` "
+        "(min_length = max_tokens); both count output tokens by re-tokenising the text.", *notes,
         f"Server start to ready (tritonserver, the python stub, the engine: weights, KV cache, CUDA graphs): "
         f"{ready_s:.1f} s; reading the {size / 2**30:.1f} GiB of weights' files alone: {read_s:.1f} s (just "
         "written, so likely from the page cache)."])

@@ -24,7 +24,8 @@ from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.lora import PARTS
 from backends.llm.model import ModelArgs, checkpoint_tensors
 from backends.llm.sampling import SamplingParams
-from perf.llm_engine import copy_bandwidth, engine_batch1, engine_concurrent, load_reference, prompts, sync
+from perf.llm_engine import (copy_bandwidth, decode_bytes, engine_batch1, engine_concurrent, load_reference, prompts,
+                              sync)
 from perf.report import hardware_line, write_table
 
 MODULES = [m for parts in PARTS.values() for m in parts]
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="lora-adapters-"))
     names = write_adapters(root, model_args, max(args.distinct), min(8, max(args.distinct)), args.rank)
     base_config = dict(dtype=args.dtype, device=str(device), max_batch=args.concurrency, max_lora_rank=args.rank,
-                       kv_cache_memory_mb=16384 if device.type == "cuda" else 512, lora_root=str(root),
+                       kv_cache_memory_mb=4096 if device.type == "cuda" else 512, lora_root=str(root),
                        prefix_caching=False)  # every round sends the same prompts: no round may reuse another's KV
     vocab = model_args.vocab_size
     batch = prompts(args.concurrency, args.input_tokens, vocab, seed=2)
@@ -100,14 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         return profile(checkpoint, weights, base_config, batch, names[:max(args.distinct)], args.output_tokens)
     columns = ["engine", "requests", "output tokens/s", "base engine before / after, tokens/s", "of base",
-               "batch-1 decode tokens/s (base engine)", "of base", "engine ready, s", "adapter load: read + check, ms",
-               "adapter load: into a slot, ms"]
+               "of base if bound by bytes", "batch-1 decode tokens/s (base engine)", "of base", "engine ready, s",
+               "adapter load: read + check, ms", "adapter load: into a slot, ms"]
     base_engine = LLMEngine(checkpoint, EngineConfig(**base_config), weights)  # stays: timed around each LoRA run
     engine_concurrent(base_engine, batch, args.output_tokens)  # warm-up
 
     def base_round() -> float:
         return engine_concurrent(base_engine, batch, args.output_tokens)
     rows = []
+    context = args.input_tokens + args.output_tokens // 2  # a decode step's mean context
+    kv_per_seq = decode_bytes(base_engine, context) - decode_bytes(base_engine, 0)
+    step_bytes = decode_bytes(base_engine, context) + (args.concurrency - 1) * kv_per_seq  # base, one decode step
+    per_adapter = (root / names[0] / "adapter_model.safetensors").stat().st_size
     for slots in args.distinct:
         start = time.perf_counter()
         engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 base_1 = engine_batch1(base_engine, one, args.batch1_tokens)
             rows.append([f"LoRA, {slots} slots", what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
                          f"{2 * tokens_s / (before + after):.2f}",
+                         f"{step_bytes / (step_bytes + sum(a is not None for a in adapters) * per_adapter):.2f}",
                          "" if one_s is None else f"{one_s:.1f} ({base_1:.1f})",
                          "" if one_s is None else f"{one_s / base_1:.2f}", f"{ready:.1f}", f"{read_ms:.1f}",
                          f"{slot_ms:.1f}"])
@@ -144,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    per_adapter = (root / names[0] / "adapter_model.safetensors").stat().st_size
     notes = [f"Model: {'random init llama-3-8b shapes' if args.random_init else checkpoint}, {args.dtype}; "
              f"{args.concurrency} requests of {args.input_tokens} random tokens in, {args.output_tokens} out (forced), "
              f"added at once. Device copy bandwidth in this run: {bandwidth / 1e9:.1f} GB/s. The base model's engine "
@@ -153,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
              f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
              f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 rows "
              "(backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
-             "none."]
+             "none.",
+             f"\"of base if bound by bytes\": what a decode step of {args.concurrency} sequences reads without "
+             f"adapters ({step_bytes / 1e9:.2f} GB: the weights but the embedding table, and their KV cache at "
+             f"{context} tokens each) over that plus each distinct adapter's {per_adapter / 1e6:.1f} MB once: the "
+             "ratio a step bound by reading memory cannot beat."]
     path = write_table(args.results / args.host, args.scenario, columns, rows, hardware_line("n/a (in-process)"), notes)
     print(path.read_text())
     return 0

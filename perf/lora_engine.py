@@ -24,8 +24,7 @@ from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.lora import PARTS
 from backends.llm.model import ModelArgs, checkpoint_tensors
 from backends.llm.sampling import SamplingParams
-from perf.llm_engine import (copy_bandwidth, decode_bytes, engine_batch1, engine_concurrent, load_reference, prompts,
-                              sync)
+from perf.llm_engine import copy_bandwidth, engine_batch1, engine_concurrent, load_reference, prompts, sync
 from perf.report import hardware_line, write_table
 
 MODULES = [m for parts in PARTS.values() for m in parts]
@@ -62,6 +61,15 @@ def write_adapters(root: Path, args: ModelArgs, count: int, distinct: int, rank:
 
 def adapters_of(engine: LLMEngine, names: list[str | None]) -> list[tuple]:
     return [engine.choose_adapters(name, []) if name else () for name in names]
+
+
+def bytes_bound(before: float, after: float, concurrency: int, adapters: list, per_adapter: int,
+                bandwidth: float) -> float:
+    """Of base, if each decode step only added reading its distinct adapters' bytes at `bandwidth` to the base
+    engine's step (tokens/s `before` and `after` the row; a decode step gives `concurrency` tokens)."""
+    base = (before + after) / 2
+    added_per_token = sum(a is not None for a in adapters) * per_adapter / bandwidth / concurrency
+    return 1 / (1 + base * added_per_token)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         return profile(checkpoint, weights, base_config, batch, names[:max(args.distinct)], args.output_tokens)
     columns = ["engine", "requests", "output tokens/s", "base engine before / after, tokens/s", "of base",
-               "of base if bound by bytes", "batch-1 decode tokens/s (base engine)", "of base", "engine ready, s",
+               "of base if adapters took only their bytes' time", "batch-1 decode tokens/s (base engine)", "of base", "engine ready, s",
                "adapter load: read + check, ms", "adapter load: into a slot, ms"]
     base_engine = LLMEngine(checkpoint, EngineConfig(**base_config), weights)  # stays: timed around each LoRA run
     engine_concurrent(base_engine, batch, args.output_tokens)  # warm-up
@@ -109,9 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     def base_round() -> float:
         return engine_concurrent(base_engine, batch, args.output_tokens)
     rows = []
-    context = args.input_tokens + args.output_tokens // 2  # a decode step's mean context
-    kv_per_seq = decode_bytes(base_engine, context) - decode_bytes(base_engine, 0)
-    step_bytes = decode_bytes(base_engine, context) + (args.concurrency - 1) * kv_per_seq  # base, one decode step
     per_adapter = (root / names[0] / "adapter_model.safetensors").stat().st_size
     for slots in args.distinct:
         start = time.perf_counter()
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 base_1 = engine_batch1(base_engine, one, args.batch1_tokens)
             rows.append([f"LoRA, {slots} slots", what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
                          f"{2 * tokens_s / (before + after):.2f}",
-                         f"{step_bytes / (step_bytes + sum(a is not None for a in adapters) * per_adapter):.2f}",
+                         f"{bytes_bound(before, after, args.concurrency, adapters, per_adapter, bandwidth):.2f}",
                          "" if one_s is None else f"{one_s:.1f} ({base_1:.1f})",
                          "" if one_s is None else f"{one_s / base_1:.2f}", f"{ready:.1f}", f"{read_ms:.1f}",
                          f"{slot_ms:.1f}"])
@@ -159,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
              f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 rows "
              "(backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
              "none.",
-             f"\"of base if bound by bytes\": what a decode step of {args.concurrency} sequences reads without "
-             f"adapters ({step_bytes / 1e9:.2f} GB: the weights but the embedding table, and their KV cache at "
-             f"{context} tokens each) over that plus each distinct adapter's {per_adapter / 1e6:.1f} MB once: the "
-             "ratio a step bound by reading memory cannot beat."]
+             "\"of base if adapters took only their bytes' time\": the base engine's time for the load (its mean "
+             "around the row) over that plus, for each decode step, every distinct adapter's "
+             f"{per_adapter / 1e6:.1f} MB read once at this run's copy bandwidth: what LoRA kernels reading at that "
+             "bandwidth would give."]
     path = write_table(args.results / args.host, args.scenario, columns, rows, hardware_line("n/a (in-process)"), notes)
     print(path.read_text())
     return 0

@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         return profile(checkpoint, weights, base_config, batch, names[:max(args.distinct)], args.output_tokens)
     columns = ["engine", "requests", "output tokens/s", "base engine before / after, tokens/s", "of base",
-               "of base if adapters took only their bytes' time", "batch-1 decode tokens/s (base engine)", "of base", "engine ready, s",
-               "adapter load: read + check, ms", "adapter load: into a slot, ms"]
+               "of base if adapters took only their bytes' time", "batch-1 decode tokens/s (base engine)", "of base",
+               "engine ready, s", "adapter load: read + check, ms", "adapter load: into a slot, ms"]
     base_engine = LLMEngine(checkpoint, EngineConfig(**base_config), weights)  # stays: timed around each LoRA run
     engine_concurrent(base_engine, batch, args.output_tokens)  # warm-up
 

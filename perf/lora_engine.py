@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
              "(no LoRA) stays loaded beside each LoRA engine and runs the same load right before and right after it "
              "(\"of base\": over their mean), since these figures drift between engines of one run.",
              f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
-             f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 rows "
-             "(backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
+             f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 "
+             "rows (backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
              "none.",
              "\"of base if adapters took only their bytes' time\": the base engine's time for the load (its mean "
              "around the row) over that plus, for each decode step, every distinct adapter's "

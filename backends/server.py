@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -196,7 +197,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} during startup; "
-                                   f"log {self.log_file}:\n{self.log_tail()}")
+                                   f"its errors:\n{self.log_errors()}\nlog {self.log_file}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as response:
                     if response.status == 200:
@@ -206,6 +207,16 @@ class TritonServer:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {self.startup_timeout_s:.0f} s; log {self.log_file}:\n"
                            f"{self.log_tail()}")
+
+    def log_errors(self, lines: int = 10) -> str:
+        """The log's last error lines (glog's `E`MMDD prefix): why a model failed to load, which the tail's status
+        table cuts to its column width."""
+        try:
+            errors = [line for line in self.log_file.read_text(errors="replace").splitlines()
+                      if re.match(r"E\d{4} ", line)]
+        except OSError:
+            return "(no log)"
+        return "\n".join(errors[-lines:]) or "(none)"
 
     def log_tail(self, lines: int = 40) -> str:
         try:

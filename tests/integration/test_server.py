@@ -87,6 +87,22 @@ def test_launcher_refuses_a_port_in_use(server, repository):
         TritonServer(repository, server.http_port, server.grpc_port, server.metrics_port).start()
 
 
+def test_a_model_that_fails_to_load_is_named_with_its_error(tmp_path):
+    """The launcher's startup error quotes Triton's error lines, where the cause is written whole (the status table
+    at the log's end cuts it to its column width)."""
+    from backends.server import TritonServer, free_port
+
+    model = tmp_path / "repository" / "broken" / "1"
+    model.mkdir(parents=True)
+    (model / "model.py").write_text("class TritonPythonModel:\n    def initialize(self, args):\n"
+                                    f"        raise ValueError('the weights do not fit: {'x' * 300} end of reason')\n")
+    (model.parent / "config.pbtxt").write_text('backend: "python"\nmax_batch_size: 0\n'
+                                               'input [{ name: "x", data_type: TYPE_FP32, dims: [1] }]\n'
+                                               'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n')
+    with pytest.raises(RuntimeError, match="(?s)its errors:\n.*failed to load 'broken' version 1: [^\n]*end of reason.*\nlog "):
+        TritonServer(tmp_path / "repository", free_port(), free_port(), free_port(), tmp_path / "broken.log").start()
+
+
 def listening_addresses(port: int) -> set[str]:
     """Local addresses a socket listens on at `port`, from /proc/net/tcp{,6} (state 0A: LISTEN)."""
     found = set()

@@ -7,7 +7,8 @@
 #   PYTHON (python3)  WORK (/tmp/triton-multimodal-bench)  HOST (gpu)  MODELS ("vit clip_vision")
 #   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
 #   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
-#   token of the served vlm for a 4K JPEG, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
+#   token of the served vlm for a 4K JPEG, a new file each request (no cache knows it), and for the same image asked
+#   twice, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16, and where
 #   the engine's steps spend their time (perf.whisper_steps);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;

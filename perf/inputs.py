@@ -44,6 +44,15 @@ def encoded_images(image_set=IMAGE_SET) -> list[bytes]:
     return out
 
 
+def with_comment(jpeg: bytes, text: str) -> bytes:
+    """The same JPEG with a comment segment (COM) after its start marker: the same pixels and decoding work, another
+    file, so caches keyed by the file's digest (the `vlm`'s image features, its prefix cache) do not know it."""
+    if jpeg[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG file")
+    payload = text.encode()
+    return jpeg[:2] + b"\xff\xfe" + (len(payload) + 2).to_bytes(2, "big") + payload + jpeg[2:]
+
+
 def bytes_entry(item: bytes) -> dict:
     return {"b64": base64.b64encode(serialize_bytes_tensor([item])).decode(), "shape": [1]}
 

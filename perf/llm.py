@@ -77,17 +77,29 @@ async def stream_one(client: grpcclient.InferenceServerClient, model: str, input
 
 
 async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec, extra: dict | None = None,
-                   tensors: dict[str, np.ndarray] | None = None) -> list[StreamTiming]:
+                   tensors: Callable[[int], dict[str, np.ndarray]] | None = None) -> list[StreamTiming]:
     """Warm-up round, then `spec.requests` requests from `spec.concurrency` closed-loop workers. `extra`: optional
-    generation inputs; `tensors`: more inputs sent as they are with every request (the `vlm`'s image)."""
+    generation inputs; `tensors`: more inputs of the i-th request (closed_loop's numbering), sent as they are (the
+    `vlm`'s image)."""
     client = grpcclient.InferenceServerClient(url)
 
     async def send(i: int) -> StreamTiming:
         inputs = generation_inputs(grpcclient, prompts[i % len(prompts)], spec.output_tokens,
-                                   **(extra or {})) + infer_inputs(grpcclient, tensors or {})
+                                   **(extra or {})) + infer_inputs(grpcclient, tensors(i) if tensors else {})
         return await stream_one(client, model, inputs)
     try:
         return await closed_loop(send, spec)
+    finally:
+        await client.close()
+
+
+async def one_by_one(url: str, model: str, asks: list[tuple[str, dict[str, np.ndarray]]], output_tokens: int,
+                     extra: dict | None = None) -> list[StreamTiming]:
+    """Requests (prompt, more inputs) sent one after another, each when the last one's final response arrived."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return [await stream_one(client, model, generation_inputs(grpcclient, prompt, output_tokens, **(extra or {}))
+                                 + infer_inputs(grpcclient, tensors)) for prompt, tensors in asks]
     finally:
         await client.close()
 

@@ -15,7 +15,8 @@ from backends.server import TritonServer, free_port
 from build_engines.checkpoints import byte_level_tokenizer
 from perf import genai_perf, ttft_split
 from perf.gpu import served_device
-from perf.llm import LoadSpec, make_prompts, run_load, summarize
+from perf.inputs import encoded_images, with_comment
+from perf.llm import LoadSpec, make_prompts, one_by_one, run_load, summarize
 from perf.report import plot_curves, stem, write_table
 from perf.server_metrics import engine_steps, model_metrics
 from perf.token_stream import write_token_stream_model
@@ -266,6 +267,30 @@ def describe_llava(folder: Path) -> str:
     return out
 
 
+def image_input(jpeg: bytes) -> dict[str, np.ndarray]:
+    return {"image": np.array([jpeg], dtype=object)}
+
+
+def asked_twice(url: str, image: bytes, label: str, tokenizer, count, input_tokens: int, output_tokens: int,
+                images: int = 4) -> tuple[list[list], str]:
+    """`images` new files of `image`, each asked about twice in a row with two different prompts, one request at a
+    time: rows of the first and of the second asks, and a note of their TTFT p50s."""
+    prompts = make_prompts(2 * images, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                           tokenizer.decode, seed=7)
+    asks = [(prompts[2 * k + again], image_input(with_comment(image, f"{label} twice {k}")))
+            for k in range(images) for again in (0, 1)]
+    timings = asyncio.run(one_by_one(url, "vlm", asks, output_tokens, {"min_length": output_tokens}))
+    spec = LoadSpec(1, input_tokens, output_tokens, images)
+    first, second = summarize(timings[0::2], count), summarize(timings[1::2], count)
+    rows = [llm_row(f"{label}, a new image", "perf/llm.py, asked twice", spec, first),
+            llm_row(f"{label}, the same image again", "perf/llm.py, asked twice", spec, second)]
+    note = (f"{label}, the same image asked twice ({images} new files, each asked about twice in a row with "
+            f"another prompt, one request at a time): TTFT p50 {first['ttft_ms_p50']:.1f} ms the first time, "
+            f"{second['ttft_ms_p50']:.1f} ms the second ({second['ttft_ms_p50'] / first['ttft_ms_p50']:.0%}): "
+            "the second finds the image's features and its prompt blocks up to the question cached.")
+    return rows, note
+
+
 def wait_unloaded(client, model: str, device: str, timeout_s: float = 120) -> None:
     """Until Triton reports the model unloaded and, on a GPU, its memory is back (the stub exits after that)."""
     import torch
@@ -283,16 +308,16 @@ def wait_unloaded(client, model: str, device: str, timeout_s: float = 120) -> No
 def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple[int, int] = (3840, 2160),
                      loads=VLM_LOADS) -> None:
     """Time to first token of the served `vlm` for one photo-sized JPEG per request, with the image prepared on the
-    CPU (the model's default, pixel-exact with transformers) and on the model's device (`preprocess_on_device`)."""
+    CPU (the model's default, pixel-exact with transformers) and on the model's device (`preprocess_on_device`);
+    then the same image asked about twice (the second time from the image and prefix caches)."""
     import tritonclient.grpc as grpcclient
     from transformers import AutoTokenizer
-
-    from perf.inputs import encoded_images
 
     image = encoded_images([(*size, "JPEG")])[0]
     folder = repository / "vlm" / "1"
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    rows = []
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    rows, twice_notes = [], []
     with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-vlm.log"),
                       model_control="explicit", load_models=["vlm"]) as server:
         client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -308,17 +333,22 @@ def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple
             label = f"vlm ({'on-device' if on_device else 'CPU'} preprocessing)"
             for concurrency, input_tokens, output_tokens in loads:
                 spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
-                prompts = make_prompts(32, input_tokens, lambda t: tokenizer.encode(t, add_special_tokens=False),
-                                       lambda ids: tokenizer.decode(ids))
-                timings = asyncio.run(run_load(server.grpc_url, "vlm", prompts, spec, {"min_length": output_tokens},
-                                               {"image": np.array([image], dtype=object)}))
-                rows.append(llm_row(label, "perf/llm.py", spec,
-                                    summarize(timings, lambda t: len(tokenizer.encode(t, add_special_tokens=False)))))
+                tag = f"{label} c{concurrency}"
+                timings = asyncio.run(run_load(server.grpc_url, "vlm", load_prompts(tokenizer, spec), spec,
+                                               {"min_length": output_tokens},
+                                               lambda i: image_input(with_comment(image, f"{tag} request {i}"))))
+                rows.append(llm_row(label, "perf/llm.py", spec, summarize(timings, count)))
                 print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+            twice_rows, note = asked_twice(server.grpc_url, image, label, tokenizer, count, *loads[0][1:])
+            rows += twice_rows
+            twice_notes.append(note)
     notes = [
         f"Every request: one {size[0]}x{size[1]} JPEG ({len(image) / 1e6:.1f} MB, quality 90, photo-like) and a "
         f"prompt of `input tokens` text tokens; the image adds {times['tokens']} visual tokens (AnyRes over the "
-        "checkpoint's grid, unpadded, row newlines); every request generates exactly `output tokens` (min_length).",
+        "checkpoint's grid, unpadded, row newlines); every request generates exactly `output tokens` (min_length). "
+        "Each request's file differs by a JPEG comment (perf.inputs.with_comment; the same pixels), so neither the "
+        "image feature cache nor the prefix cache, both keyed by the file's digest, knows it; each prompt differs "
+        "too.", *twice_notes,
         f"Preparing this image in this process on the same host (median of 5): CPU path (Pillow decode + two "
         f"antialiased bicubic resizes from the full image + normalise) {times['cpu']:.1f} ms; on the model's device "
         f"({'nvJPEG' if times['nvjpeg'] else 'Pillow'} decode + torch resize) {times['device']:.1f} ms.",

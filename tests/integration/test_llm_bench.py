@@ -66,7 +66,8 @@ def test_bad_generation_input_is_invalid_arg_and_server_keeps_serving(calibratio
 
 def test_served_vlm_scenario_measures_both_preprocessing_paths(repository, tmp_path):
     """perf's vlm TTFT scenario on the tiny vlm: its own explicit-mode server, the CPU path, then a reload with
-    preprocess_on_device; every request must succeed (summarize raises otherwise) and the table names both paths."""
+    preprocess_on_device, each with the same image asked twice; every request must succeed (summarize raises
+    otherwise) and the table names both paths."""
     from backends.vision.anyres import tiler_from_checkpoint
     from perf.llm_scenarios import served_vlm_bench
 
@@ -74,8 +75,11 @@ def test_served_vlm_scenario_measures_both_preprocessing_paths(repository, tmp_p
     (table,) = tmp_path.glob("*-vlm-ttft.md")
     text = table.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| vlm")]
-    assert [r.split("|")[1].strip() for r in rows] == ["vlm (CPU preprocessing)", "vlm (on-device preprocessing)"]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        f"vlm ({path} preprocessing){ask}" for path in ("CPU", "on-device")
+        for ask in ("", ", a new image", ", the same image again")]
     assert all(float(r.split("|")[7]) > 0 for r in rows)  # TTFT p50
+    assert text.count("the same image asked twice (4 new files") == 2
     tokens = tiler_from_checkpoint(repository / "vlm" / "1").plan(480, 640).num_image_tokens
     assert f"the image adds {tokens} visual tokens" in text
 

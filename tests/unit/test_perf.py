@@ -3,6 +3,7 @@ the input data uses Triton's raw BYTES layout."""
 import argparse
 import base64
 import csv
+import io
 import json
 import struct
 
@@ -294,3 +295,17 @@ def test_ttft_split_joins_client_trace_and_spans_by_request_id(tmp_path):
     assert "1 traced requests" in note and "Triton's queue 3.0 / 3.0" in note
     assert note.endswith("all of them 31.0 / 31.0.")
     assert describe(stage_ms(timings, tmp_path / "none.json")) is None
+
+
+def test_a_jpeg_with_a_comment_is_another_file_with_the_same_pixels():
+    import numpy as np
+    from PIL import Image
+
+    from perf.inputs import with_comment
+
+    jpeg = encoded_images([(64, 48, "JPEG")])[0]
+    tagged = with_comment(jpeg, "request 7")
+    assert tagged != jpeg and with_comment(jpeg, "request 8") != tagged
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(tagged))), np.asarray(Image.open(io.BytesIO(jpeg))))
+    with pytest.raises(ValueError, match="not a JPEG"):
+        with_comment(b"\x89PNG", "x")

@@ -84,8 +84,7 @@ async def run_load(url: str, model: str, prompts: list[str], spec: LoadSpec, ext
     client = grpcclient.InferenceServerClient(url)
 
     async def send(i: int) -> StreamTiming:
-        inputs = generation_inputs(grpcclient, prompts[i % len(prompts)], spec.output_tokens,
-                                   **(extra or {})) + infer_inputs(grpcclient, tensors(i) if tensors else {})
+        inputs = request_inputs(prompts[i % len(prompts)], spec.output_tokens, extra, tensors(i) if tensors else {})
         return await stream_one(client, model, inputs)
     try:
         return await closed_loop(send, spec)
@@ -98,10 +97,15 @@ async def one_by_one(url: str, model: str, asks: list[tuple[str, dict[str, np.nd
     """Requests (prompt, more inputs) sent one after another, each when the last one's final response arrived."""
     client = grpcclient.InferenceServerClient(url)
     try:
-        return [await stream_one(client, model, generation_inputs(grpcclient, prompt, output_tokens, **(extra or {}))
-                                 + infer_inputs(grpcclient, tensors)) for prompt, tensors in asks]
+        return [await stream_one(client, model, request_inputs(prompt, output_tokens, extra, tensors))
+                for prompt, tensors in asks]
     finally:
         await client.close()
+
+
+def request_inputs(prompt: str, output_tokens: int, extra: dict | None, tensors: dict[str, np.ndarray]) -> list:
+    """A generation request's inputs: the prompt, its budget and `extra` generation inputs, then `tensors` as is."""
+    return generation_inputs(grpcclient, prompt, output_tokens, **(extra or {})) + infer_inputs(grpcclient, tensors)
 
 
 async def closed_loop(send: Callable[[int], Awaitable[StreamTiming]], spec: LoadSpec) -> list[StreamTiming]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -144,6 +145,11 @@ class EngineStats:
     accepted_tokens: int = 0
 
 
+def is_multimodal(checkpoint: Path) -> bool:
+    """Whether the checkpoint is a vision-language model's (its prompts carry image features)."""
+    return "vision_config" in json.loads((checkpoint / "config.json").read_text())
+
+
 class LLMEngine:
     def __init__(self, checkpoint: Path, config: EngineConfig = EngineConfig(), weights=None):
         """`weights`: (name, tensor) pairs instead of the checkpoint's safetensors (see model.load_model)."""
@@ -198,7 +204,8 @@ class LLMEngine:
                                   capture=capture,
                                   paged_decode=config.decode_attention == "paged",
                                   lora=self.adapters and self.adapters.slots,
-                                  prefill_graph_tokens=self.prefill_graph_tokens)
+                                  prefill_graph_tokens=self.prefill_graph_tokens,
+                                  image_rows=is_multimodal(Path(checkpoint)))
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.max_prefill_tokens,
                                    chunk_tokens=config.chunk_tokens, adapters=self.adapters,
                                    lower_share=config.qos_lower_share, lower_tokens=config.qos_lower_tokens,
@@ -419,10 +426,11 @@ class LLMEngine:
             drafts = None if is_prefill or launched.decoding < len(seqs) else self._propose(seqs)
             if drafts:
                 launched.tokens = self._verify(self.runner.decode(seqs), seqs, drafts)
-            elif is_prefill:
+            elif is_prefill and not self.runner.as_rows(seqs):
                 launched.logits = self.runner.prefill(seqs)
-            elif launched.decoding < len(seqs):  # prompts (or chunks of them) rode the decode step: their last rows
-                if after is not None:  # (`_can_follow` leaves no prompt that could)
+            elif launched.decoding < len(seqs):  # prompts (or chunks of them) rode the decode step, or a prefill
+                # step of prompts with cached prefixes runs as decode rows: their last rows
+                if after is not None and not is_prefill:  # (`_can_follow` leaves no prompt that could)
                     raise RuntimeError("a step launched ahead has prompt rows beside tokens not yet known")
                 rows = [s.step_tokens for s in seqs]
                 last = to_device([r - 1 for r in itertools.accumulate(rows)], torch.int64, self.device)

@@ -64,6 +64,20 @@ def lora_row(seq: Sequence) -> tuple[list[int], list[float]]:
     return seq.lora_slots + [0] * pad, [share * adapter.scaling for adapter, share in seq.lora] + [0.0] * pad
 
 
+def image_features(rows: list[tuple[Sequence, int]]) -> tuple[list[int], torch.Tensor] | None:
+    """The decode rows at image positions (a multimodal prompt's uncached part run as rows) and their features
+    [rows, hidden]; None when there are none (decoding rows are past every image)."""
+    index, features = [], []
+    for i, (seq, position) in enumerate(rows):
+        places = seq.embed_positions
+        if seq.embeds is not None and places and position <= places[-1]:
+            k = bisect.bisect_left(places, position)
+            if places[k] == position:
+                index.append(i)
+                features.append(seq.embeds[k])
+    return (index, torch.stack(features)) if index else None
+
+
 def piece_bounds(layers: int) -> list[int]:
     """Where the decode graph's pieces start and end, in layers: GRAPH_PIECES equal ones, or with GRAPH_RAMP each
     twice the one before (a last one shorter than the one before it joins it)."""
@@ -91,21 +105,25 @@ class GraphPieces:
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: list, blocks: BlockManager, max_batch: int,
                  max_context: int, capture: bool, paged_decode: bool = True, lora: LoraSlots | None = None,
-                 prefill_graph_tokens: int = 0):
+                 prefill_graph_tokens: int = 0, image_rows: bool = False):
         """`max_batch`: the most rows of a decode step (sequences, times their proposals + 1 when speculating);
-        `prefill_graph_tokens`: the largest padded prefill (0: prefill runs eagerly)."""
+        `prefill_graph_tokens`: the largest padded prefill (0: prefill runs eagerly); `image_rows`: decode rows may
+        be image positions (a multimodal prompt whose prefix was cached runs as rows of a decode step), whose
+        embeddings then come from a static buffer of features."""
         self.model, self.kv_cache, self.blocks, self.lora = model, kv_cache, blocks, lora
         self.device = model.embed_tokens.weight.device
         self.decode_kernel = decode_kernel(self.device) if paged_decode else None  # None: gather + SDPA
         self.max_batch, self.max_blocks = bucket(max_batch), bucket(-(-max_context // blocks.block_size))
         self.capture = capture
         # static decode inputs sized for the largest bucket, in one buffer (ids | positions | slots | LoRA rows |
-        # LoRA tiles | their number | block tables): a step fills a host mirror and sends it in one copy; graphs read
-        # the device views in place. A step has at most one LoRA tile a row. Two host mirrors, used in turn: a step
-        # may be prepared while the one before it is still queued (overlap_steps), its copy not yet made.
+        # LoRA tiles | their number | image rows' mask | block tables): a step fills a host mirror and sends it in one
+        # copy; graphs read the device views in place. A step has at most one LoRA tile a row. Two host mirrors, used
+        # in turn: a step may be prepared while the one before it is still queued (overlap_steps), its copy not yet
+        # made.
         b, pinned = self.max_batch, self.device.type == "cuda"
         self.tiles_at, self.count_at = tiles_at, count_at = 4 * b, (4 + 2 + MIXED) * b
-        self.tables_at = count_at + 1
+        self.mask_at = count_at + 1
+        self.tables_at = self.mask_at + b
         size = self.tables_at + b * self.max_blocks
         self.staged = torch.full((size,), SCRATCH_BLOCK, dtype=torch.int64, device=self.device)
         self.hosts = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
@@ -113,7 +131,8 @@ class ModelRunner:
         self.turn = 0
         self.ids, self.positions, self.slots = self.staged[:b], self.staged[b:2 * b], self.staged[2 * b:3 * b]
         self.lora_perm, self.lora_tiles = self.staged[3 * b:tiles_at], self.staged[tiles_at:count_at].view(b, 2 + MIXED)
-        self.lora_tile_count = self.staged[count_at:self.tables_at]
+        self.lora_tile_count = self.staged[count_at:self.mask_at]
+        self.image_mask = self.staged[self.mask_at:self.tables_at]
         self.tables = self.staged[self.tables_at:].view(b, self.max_blocks)
         self.lora_weights = torch.zeros(b, MIXED, device=self.device)  # the tiles' weights, in a float buffer
         self.host_weights = [torch.zeros(b, MIXED, pin_memory=pinned) for _ in self.hosts]
@@ -122,6 +141,8 @@ class ModelRunner:
         # fresh prompts: varlen attention over their own keys (an FP8 cache is read back instead, as decode reads it;
         # flash attention takes 16-bit floats)
         dtype = model.embed_tokens.weight.dtype
+        self.image_rows = torch.zeros(b, model.args.hidden_size, dtype=dtype, device=self.device) if image_rows \
+            else None
         self.varlen = model.kv_cache_dtype == dtype and (self.device.type == "cpu" or dtype.itemsize == 2)
         self.prefill_sizes = prefill_sizes(prefill_graph_tokens) if self.varlen else ()
         if self.prefill_sizes:  # static inputs of the largest padded prefill: embeddings | positions, slots | bounds
@@ -178,6 +199,14 @@ class ModelRunner:
                                  tuple((s.step_tokens, s.num_cached + s.step_tokens) for s in seqs), varlen=varlen)
         hidden = self.model(self.tensor(ids), self.tensor(positions), self.kv_cache, meta, embeds, lora)
         return self.model.logits(hidden[self.tensor(last)])
+
+    def as_rows(self, seqs: list[Sequence]) -> bool:
+        """Whether a prefill step of these sequences had better run as rows of a decode step (each token a row, on
+        CUDA from the decode graphs): when some prompt has a cached prefix (the prefill graphs take fresh prompts
+        only; the eager path is bound by the host, about 1 ms a layer on an H200) and the rows fit the graphs."""
+        return (any(s.num_cached for s in seqs) and sum(s.step_tokens for s in seqs) <= self.max_batch
+                and max(len(s.block_table) for s in seqs) <= self.max_blocks
+                and (self.image_rows is not None or all(s.embeds is None for s in seqs)))
 
     def prefill_padded(self, x: torch.Tensor, positions: list[int], slots: list[int], lengths: tuple[int, ...],
                        size: int) -> torch.Tensor:
@@ -252,6 +281,10 @@ class ModelRunner:
         tables[:, :width] = SCRATCH_BLOCK
         for row, (seq, _) in zip(tables, rows):
             row[:len(seq.block_table)] = seq.block_table
+        if self.image_rows is not None and (images := image_features(rows)):
+            for i in images[0]:
+                host[self.mask_at + i] = 1
+            self.image_rows[self.tensor(images[0])] = images[1].to(self.image_rows)
         if self.lora is not None:  # rows without adapters (and padded rows) are in no tile
             plan = plan_tiles((i, 1, *lora_row(seq)) for i, (seq, _) in enumerate(rows) if seq.lora)
             tiles = len(plan.tiles)
@@ -313,9 +346,17 @@ class ModelRunner:
                                                        self.lora_weights[:batch], self.lora_tile_count)
         return meta, lora
 
+    def embed_static(self, batch: int) -> torch.Tensor:
+        """A decode step's input embeddings from the static inputs: the rows' tokens', or their image features."""
+        x = self.model.embed(self.ids[:batch])
+        if self.image_rows is None:
+            return x
+        return torch.where(self.image_mask[:batch, None] != 0, self.image_rows[:batch], x)
+
     def forward_static(self, batch: int, width: int) -> torch.Tensor:
         meta, lora = self.static_step(batch, width)
-        return self.model.logits(self.model(self.ids[:batch], self.positions[:batch], self.kv_cache, meta, lora=lora))
+        x = self.model.layers_forward(self.embed_static(batch), self.positions[:batch], self.kv_cache, meta, lora)
+        return self.model.logits(x)
 
     def capture_graph(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph | GraphPieces, torch.Tensor]:
         bounds = piece_bounds(len(self.model.layers))
@@ -331,7 +372,7 @@ class ModelRunner:
             def run() -> torch.Tensor:
                 if i == 0:
                     held["step"], held["rope"] = self.static_step(batch, width), model.rope(self.positions[:batch])
-                x = model.embed(self.ids[:batch]) if i == 0 else held[i - 1]
+                x = self.embed_static(batch) if i == 0 else held[i - 1]
                 x = held[i] = model.run_layers(x, held["rope"], self.kv_cache, *held["step"], bounds[i], bounds[i + 1])
                 return model.logits(model.norm(x)) if i == pieces - 1 else x
             return run
@@ -361,5 +402,6 @@ class ModelRunner:
                                  decode_kernel=self.decode_kernel)
         lora = self.lora_step(seqs, [1] * len(rows))
         ids = self.tensor([self.row_token(s, p) for s, p in rows]) if ids is None else ids
-        hidden = self.model(ids, self.tensor(positions), self.kv_cache, meta, lora=lora)
+        embeds = None if (images := image_features(rows)) is None else (self.tensor(images[0]), images[1].to(self.device))
+        hidden = self.model(ids, self.tensor(positions), self.kv_cache, meta, embeds, lora)
         return self.model.logits(hidden)

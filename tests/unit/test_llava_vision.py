@@ -161,3 +161,45 @@ def test_image_requests_with_lora_adapters_generate_like_llava_next_with_peft(ch
     while engine.has_work:
         engine.step()
     assert {k: s.output_ids for k, s in seqs.items()} == expected and expected[""] != expected["style"]
+
+
+def test_the_same_image_asked_again_runs_the_rest_of_its_prompt_as_decode_rows(checkpoint, monkeypatch):
+    """The second question about an image finds the blocks up to it cached (image included); the rest, the image's
+    last partly filled block and the question, runs as rows of a decode step (on a GPU its CUDA graph), the image
+    positions' rows taking their features from the static buffer: the same tokens as LLaVA-NeXT."""
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    from backends.llm import runner
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    reference = LlavaNextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tiler = tiler_from_checkpoint(checkpoint)
+    image = random_image(*SIZES[1], seed=5)
+    tiles, plan = tiler.tiles(image, ImagePreprocessor.from_dict(image_processor_config(checkpoint)))
+    (embeds,) = LlavaVision(checkpoint, tiler)(torch.from_numpy(tiles), [plan])
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
+    assert engine.runner.image_rows is not None
+    image_rows, prefills = [], []
+
+    def features(rows, real=runner.image_features):
+        found = real(rows)
+        image_rows.append(0 if found is None else len(found[0]))
+        return found
+
+    monkeypatch.setattr(runner, "image_features", features)
+    monkeypatch.setattr(engine.runner, "prefill", lambda seqs, real=engine.runner.prefill: prefills.append(
+        [s.num_cached for s in seqs]) or real(seqs))
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    for question in ("<image> a photo of the cat", "<image> the red car by the tree"):
+        inputs = processor(images=image, text=question, return_tensors="pt")
+        with torch.inference_mode():
+            out = reference.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs.input_ids.shape[1]:]
+        seq = engine.add(inputs.input_ids[0].tolist(), SamplingParams(max_tokens=12), embeds=embeds,
+                         placeholder_id=image_token, embeds_key=b"this image")
+        while engine.has_work:
+            engine.step()
+        assert seq.output_ids == [t for t in out.tolist() if t != processor.tokenizer.eos_token_id]
+    assert prefills == [[0]]  # only the first prompt prefilled; the second's uncached tokens ran as decode rows
+    assert engine.blocks.hit_tokens >= 16 and max(image_rows) > 0  # its image's last positions among them

@@ -107,13 +107,19 @@ def run(engine: LLMEngine, prompts: list[str], tokens: int = 16, cancel_after: i
     return [s.output_ids for s in seqs]
 
 
-def test_engine_tokens_are_the_same_with_prefix_caching(checkpoint):
+def test_engine_tokens_are_the_same_with_prefix_caching(checkpoint, monkeypatch):
+    """Prompts that find their prefix cached run the rest as rows of a decode step (on a GPU from its CUDA graphs;
+    the prefill graphs take fresh prompts only)."""
     config = dict(dtype="fp32", device="cpu", kv_cache_memory_mb=8)
     plain = LLMEngine(checkpoint, EngineConfig(prefix_caching=False, **config))
     expected = [run(plain, [SYSTEM + q])[0] for q in QUESTIONS]
     cached = LLMEngine(checkpoint, EngineConfig(**config))
+    prefilled = []
+    monkeypatch.setattr(cached.runner, "prefill", lambda seqs, real=cached.runner.prefill: prefilled.extend(
+        s.num_cached for s in seqs) or real(seqs))
     assert [run(cached, [SYSTEM + q])[0] for q in QUESTIONS] == expected  # one after another: later ones hit
     assert cached.blocks.hit_tokens >= 7 * 16 and plain.blocks.hit_tokens == 0
+    assert prefilled == [0]  # the first prompt alone prefilled; the others' uncached tokens were decode rows
     assert run(cached, [SYSTEM + q for q in QUESTIONS]) == expected  # together, after the cache is warm
     assert cached.blocks.num_free == cached.blocks.num_blocks
 

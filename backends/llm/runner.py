@@ -4,7 +4,9 @@
 A decode step has one row per token it computes: a sequence's newest token, with speculative decoding the
 tokens proposed after it, and every token of a short prompt riding the step (each row attends to its sequence's
 blocks up to its own position, so the rows of one sequence are causal among themselves and the step is still a
-decode step: same kernels, same graphs).
+decode step: same kernels, same graphs). A prefill step of prompts that found a prefix cached runs the same way when
+its tokens fit (`as_rows`); in a multimodal engine a row at an image position takes its features from a static
+buffer instead of its token's embedding.
 Decode steps run with fixed shapes: the rows are padded to a bucket (1, 2, 4, ... rows) and the block tables to
 a power-of-two number of blocks; padded rows write and read only the scratch block. On CUDA each (batch, blocks)
 shape is captured once as CUDA graphs (GRAPH_PIECES of them, of consecutive layers) and replayed, so a step costs its

@@ -22,7 +22,7 @@ from backends.llm.sampling import SamplingParams
 
 CATEGORIES = (  # first match wins; names of our kernels, then the library's
     ("GEMV (gemv.py)", r"_gemv_kernel|_prepare_kernel"),
-    ("paged attention (paged_decode.py)", r"_partition_kernel|_combine_kernel"),
+    ("paged attention (paged_decode.py)", r"_partition_kernel"),
     ("rotary + cache write (rope_cache.py)", r"_rope_write_kernel"),
     ("attention, library (SDPA, flash)", r"flash|fmha|attention"),
     ("FP8 GEMM (fp8_gemm.py)", r"_fp8_weight_gemm_kernel"),

@@ -1,11 +1,14 @@
 """Decode attention that reads the paged KV cache in place (Triton): no gathered copy of each sequence's blocks.
 
 One program takes one sequence, one KV head (with all the query heads that share it: GQA) and one partition of the
-context; it walks the block table TOKENS keys at a time with an online softmax and writes its unnormalised output
-with its running max and sum. A second kernel combines a sequence's partitions (flash-decoding), so a short batch
-with long contexts still spreads over the GPU. An FP8 cache (uint8 bytes) is converted as it is read; the callers
-fold its scales into the queries and the output (attention.py). Shapes depend only on the batch and the block-table
-width, so the kernels sit inside the engine's CUDA graphs.
+context; it walks the block table TOKENS keys at a time with an online softmax (flash-decoding: partitions, so a short
+batch with long contexts still spreads over the GPU). With one partition it writes the output itself; with more, it
+writes its unnormalised output with its running max and sum, and the last of a sequence's and KV head's programs to
+finish (an atomic counter) combines them in partition order, so the result does not depend on timing. (A second
+kernel did that before: a launch more a layer, 0.05 ms of the 4.18 ms of kernels of a batch-1 step on the H200.) An
+FP8 cache (uint8 bytes) is converted as it is read; the callers fold its scales into the queries and the output
+(attention.py). Shapes depend only on the batch and the block-table width, so the kernels sit inside the engine's
+CUDA graphs.
 """
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.llm.gemv import Workspace
+
 TOKENS = 32  # keys per inner step
 TARGET_PROGRAMS = 512  # enough programs to fill an H100/H200 (132 SMs) several times over
+COUNTERS = Workspace()  # zeroed int32 counters of finished partitions, per (sequence, KV head); each call resets them
 
 
 @triton.jit(do_not_specialize=["partition", "partitions"])
-def _partition_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, acc_ptr, stats_ptr, scale,
+def _partition_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, acc_ptr, stats_ptr, counters_ptr, out_ptr, scale,
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, partition, partitions,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
@@ -53,24 +59,34 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, acc_ptr, sta
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    out = (seq * heads + head) * partitions + part  # [B, heads, partitions] rows
-    tl.store(acc_ptr + out[:, None] * HEAD_PAD + d[None, :], acc, mask=g[:, None] < GROUP)
-    tl.store(stats_ptr + out * 2, m, mask=g < GROUP)
-    tl.store(stats_ptr + out * 2 + 1, total, mask=g < GROUP)
-
-
-@triton.jit(do_not_specialize=["partitions"])
-def _combine_kernel(acc_ptr, stats_ptr, out_ptr, partitions, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                    PARTITIONS_PAD: tl.constexpr):
-    row = tl.program_id(0)  # seq * heads + head
-    p, d = tl.arange(0, PARTITIONS_PAD), tl.arange(0, HEAD_PAD)
-    used = p < partitions
-    m = tl.load(stats_ptr + (row * partitions + p) * 2, mask=used, other=float("-inf"))
-    total = tl.load(stats_ptr + (row * partitions + p) * 2 + 1, mask=used, other=0.0)
-    weight = tl.where(m > float("-inf"), tl.exp(m - tl.max(m, axis=0)), 0.0)  # empty partitions weigh nothing
-    acc = tl.load(acc_ptr + (row * partitions + p)[:, None] * HEAD_PAD + d[None, :], mask=used[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    outs = out_ptr + (seq * heads + head)[:, None] * HEAD_DIM + d[None, :]  # [B, heads, head_dim]
+    written = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    if partitions == 1:
+        tl.store(outs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=written)
+    else:
+        rows = (seq * heads + head) * partitions  # [B, heads, partitions] rows: this head's first
+        tl.store(acc_ptr + (rows + part)[:, None] * HEAD_PAD + d[None, :], acc, mask=g[:, None] < GROUP)
+        tl.store(stats_ptr + (rows + part) * 2, m, mask=g < GROUP)
+        tl.store(stats_ptr + (rows + part) * 2 + 1, total, mask=g < GROUP)
+        tl.debug_barrier()  # every thread's stores are made before the counter says so
+        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == partitions - 1:  # the last: combine, in partition order
+            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            total = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+            for p in range(0, partitions):
+                m_p = tl.load(stats_ptr + (rows + p) * 2, mask=g < GROUP, other=float("-inf"), cache_modifier=".cg")
+                total_p = tl.load(stats_ptr + (rows + p) * 2 + 1, mask=g < GROUP, other=0.0, cache_modifier=".cg")
+                acc_p = tl.load(acc_ptr + (rows + p)[:, None] * HEAD_PAD + d[None, :], mask=g[:, None] < GROUP,
+                                other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, m_p)
+                alpha = tl.where(m > float("-inf"), tl.exp(m - m_new), 0.0)  # empty partitions weigh nothing
+                beta = tl.where(m_p > float("-inf"), tl.exp(m_p - m_new), 0.0)
+                acc = acc * alpha[:, None] + acc_p * beta[:, None]
+                total = total * alpha + total_p * beta
+                m = m_new
+            tl.atomic_xchg(counter, 0)  # ready for the next call
+            tl.store(outs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=written)
 
 
 def partitions(batch: int, kv_heads: int, max_context: int) -> tuple[int, int]:
@@ -93,13 +109,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q.contiguous()
     acc = torch.empty(batch * heads * parts, head_pad, dtype=torch.float32, device=q.device)
     stats = torch.empty(batch * heads * parts, 2, dtype=torch.float32, device=q.device)
+    counters, _ = COUNTERS.get(q.device, 0, batch * kv_heads)
+    out = torch.empty_like(q)
     _partition_kernel[(batch, kv_heads, parts)](
-        q, k_cache, v_cache, block_tables, lengths, acc, stats, scale or head_dim ** -0.5,
+        q, k_cache, v_cache, block_tables, lengths, acc, stats, counters, out, scale or head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_len, parts, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TOKENS=TOKENS, FP8=k_cache.dtype == torch.uint8,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    out = torch.empty_like(q)
-    _combine_kernel[(batch * heads,)](acc, stats, out, parts, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-                                      PARTITIONS_PAD=triton.next_power_of_2(parts))
     return out

@@ -55,11 +55,15 @@ def kernel_meta(meta: AttentionMetadata) -> AttentionMetadata:
     ([70, 1, 129], 8, 1, 32, 8),  # MQA, small blocks, several partitions of TOKENS keys
     ([20, 3], 6, 2, 80, 16),  # a head_dim that is not a power of two
 ])
-def test_kernel_equals_the_gather_reference(lengths, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("programs", [512, 1])  # several partitions combined by the last program; one partition
+def test_kernel_equals_the_gather_reference(lengths, heads, kv_heads, head_dim, block_size, programs, monkeypatch):
+    monkeypatch.setattr(paged_decode, "TARGET_PROGRAMS", programs)
+    assert (paged_decode.partitions(len(lengths), kv_heads, 32 * block_size)[1] == 1) == (programs == 1)
     q, kv, meta, _ = decode_case(lengths, heads, kv_heads, head_dim, block_size, torch.float32, width=32)
     expected = paged_attention(q.view(-1, heads, head_dim), kv, meta)
-    found = paged_attention(q.view(-1, heads, head_dim), kv, kernel_meta(meta))
-    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+    for _ in range(2):  # the second call finds the counters the first one reset
+        found = paged_attention(q.view(-1, heads, head_dim), kv, kernel_meta(meta))
+        torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_partitions_cover_the_context_and_follow_the_batch():

@@ -312,11 +312,15 @@ class SamEngine:
                 pixels = upscaled.cpu().numpy() if "masks" in wanted else None
                 logits = kept.float().cpu().numpy() if "low_res_logits" in wanted else None
                 scores = iou[index, chosen].float().cpu().numpy()
+                # every RLE of the group in one scan (on a GPU one sync for all, not one a prompt)
+                encoded = [k for k, prompt in enumerate(asked) if prompt.wants("masks_rle")]
+                runs = coco_rle(upscaled[encoded].flatten(0, 1)) if encoded else []
+                per = kept.shape[1]
+                rles = {k: runs[j * per:(j + 1) * per] for j, k in enumerate(encoded)}
                 for k, (row, prompt) in enumerate(zip(members, asked)):
                     results[rows[row][0]] = Segmentation(
                         pixels[k] if prompt.wants("masks") else None, scores[k],
-                        logits[k] if prompt.wants("low_res_logits") else None,
-                        coco_rle(upscaled[k]) if prompt.wants("masks_rle") else None)
+                        logits[k] if prompt.wants("low_res_logits") else None, rles.get(k))
         return results
 
     @staticmethod

@@ -239,17 +239,21 @@ def test_a_prompt_gets_only_the_outputs_it_asks_for_and_masks_nobody_asked_for_a
 
 def test_masks_as_rle_decode_with_pycocotools_to_the_binary_masks(engine):
     """`rle=True`: each mask as COCO's compressed RLE, which pycocotools decodes to the bool masks of the same
-    prompt (rows and columns in their places: a non-square image)."""
+    prompt (rows and columns in their places: a non-square image), also where several prompts of one decoder call
+    ask for RLE (their masks are scanned together)."""
     from pycocotools import mask as coco
 
     image = encode(random_image(300, 500, seed=61), "JPEG")
-    points, one = np.array([[120.0, 200.0]]), np.array([1])
-    binary, as_rle = engine.segment_batch([Prompt(image, points, one), Prompt(image, points, one, rle=True)])
-    assert binary.masks_rle is None and as_rle.masks is None and len(as_rle.masks_rle) == 3
-    np.testing.assert_array_equal(as_rle.iou_scores, binary.iou_scores)
-    for rle, want in zip(as_rle.masks_rle, binary.masks):
-        assert rle["size"] == [500, 300] and isinstance(rle["counts"], str)
-        np.testing.assert_array_equal(coco.decode(rle).astype(bool), want)
+    clicks, one = [np.array([[120.0, 200.0]]), np.array([[30.0, 400.0]])], np.array([1])
+    binary = engine.segment_batch([Prompt(image, points, one) for points in clicks])
+    as_rle = engine.segment_batch([Prompt(image, points, one, rle=True) for points in clicks])
+    for got, want in zip(as_rle, binary):
+        assert want.masks_rle is None and got.masks is None and len(got.masks_rle) == 3
+        np.testing.assert_array_equal(got.iou_scores, want.iou_scores)
+        for rle, mask in zip(got.masks_rle, want.masks):
+            assert rle["size"] == [500, 300] and isinstance(rle["counts"], str)
+            np.testing.assert_array_equal(coco.decode(rle).astype(bool), mask)
+    assert any((a != b).any() for a, b in zip(binary[0].masks, binary[1].masks))  # two clicks, two answers
 
 
 

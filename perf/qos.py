@@ -31,6 +31,7 @@ import tritonclient.grpc.aio as grpcclient
 from backends.server import TritonServer, free_port
 from build_engines.cli import main as build_engines
 from client.sdk import generation_arrays, infer_inputs
+from perf import ttft_split
 from perf.llm import StreamTiming, make_prompts, stream_one
 from perf.report import hardware_line, write_table
 from perf.server_metrics import engine_steps, model_metrics
@@ -203,7 +204,11 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
     concurrency = 2 * args.max_batch
     rows, steps = [], []
     log = Path(f"logs/bench-qos-{family}.log")
-    with TritonServer(repository, free_port(), free_port(), free_port(), log) as server:
+    # streaming families: Triton traces one request in TRACE_RATE and the engines log their spans, so the high class's
+    # TTFT can be split by stage (perf.ttft_split)
+    traced = {} if family == "whisper" else {"trace_file": Path(tempfile.mkdtemp(prefix="qos-trace-")) / "trace.json",
+                                             "trace_rate": ttft_split.TRACE_RATE}
+    with TritonServer(repository, free_port(), free_port(), free_port(), log, **traced) as server:
         for model in models:  # warm-up: each engine's first steps compile kernels
             capacity(server.grpc_url, family, model, mix, requests, concurrency, 8 * concurrency)
         rate = capacity(server.grpc_url, family, f"{family}_fifo", mix, requests, concurrency, 8 * concurrency)
@@ -219,6 +224,10 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
                 if family != "whisper":
                     steps.append(f"`{model}` at {load:g}x: " + engine_steps(
                         before, model_metrics(server.metrics_url, model), time.perf_counter() - start))
+                    time.sleep(0.5)  # the engine loop logs a request's spans after its final response
+                    high = [s.timing for s in sent if s.kind.qos_class == "high"]
+                    if split := ttft_split.describe(ttft_split.stage_ms(high, server.trace_file), slowest=True):
+                        steps[-1] += f"; high class: {split}"
                     print(steps[-1], flush=True)
                 rows += class_rows(model, load, sent, sorted({k.qos_class for k in mix}))
                 for row in rows[-len(mix):]:

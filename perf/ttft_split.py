@@ -42,13 +42,19 @@ def stage_ms(timings: list[StreamTiming], trace_file: Path) -> dict[str, np.ndar
     return {name: values[:, i] for i, (name, _, _) in enumerate(STAGES)}
 
 
-def describe(stages: dict[str, np.ndarray]) -> str | None:
-    """One sentence for a results table's notes; None when no request was traced."""
+def describe(stages: dict[str, np.ndarray], slowest: bool = False) -> str | None:
+    """One sentence for a results table's notes; None when no request was traced. `slowest`: also the stages of the
+    traced request whose TTFT was longest (where a tail comes from)."""
     count = len(next(iter(stages.values())))
     if not count:
         return None
     parts = "; ".join(f"{name} {np.percentile(ms, 50):.1f} / {np.percentile(ms, 90):.1f}"
                       for name, ms in stages.items())
     total = sum(stages.values())
-    return (f"TTFT by stage (perf.ttft_split, {count} traced requests), ms p50 / p90: {parts}; all of them "
-            f"{np.percentile(total, 50):.1f} / {np.percentile(total, 90):.1f}.")
+    text = (f"TTFT by stage (perf.ttft_split, {count} traced requests), ms p50 / p90: {parts}; all of them "
+            f"{np.percentile(total, 50):.1f} / {np.percentile(total, 90):.1f}")
+    if slowest:
+        worst = int(np.argmax(total))
+        text += f"; the slowest, {total[worst]:.1f}: " + "; ".join(f"{name} {ms[worst]:.1f}"
+                                                                    for name, ms in stages.items())
+    return text + "."

@@ -7,6 +7,7 @@ import io
 import json
 import struct
 
+import numpy as np
 import pytest
 
 from perf.analyzer import LoadPoint, parse_csv
@@ -294,6 +295,8 @@ def test_ttft_split_joins_client_trace_and_spans_by_request_id(tmp_path):
     note = describe(stages)
     assert "1 traced requests" in note and "Triton's queue 3.0 / 3.0" in note
     assert note.endswith("all of them 31.0 / 31.0.")
+    two = {name: np.array([ms, 2 * ms]) for name, ms in {"execute": 1.0, "admitted to first token": 20.0}.items()}
+    assert describe(two, slowest=True).endswith("; the slowest, 42.0: execute 2.0; admitted to first token 40.0.")
     assert describe(stage_ms(timings, tmp_path / "none.json")) is None
 
 

@@ -317,7 +317,7 @@ def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple
     folder = repository / "vlm" / "1"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    rows, twice_notes = [], []
+    rows, twice_notes, load_notes = [], [], []
     with TritonServer(repository, free_port(), free_port(), free_port(), Path("logs/bench-vlm.log"),
                       model_control="explicit", load_models=["vlm"]) as server:
         client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -334,10 +334,15 @@ def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple
             for concurrency, input_tokens, output_tokens in loads:
                 spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
                 tag = f"{label} c{concurrency}"
+                before, start = model_metrics(server.metrics_url, "vlm"), time.perf_counter()
                 timings = asyncio.run(run_load(server.grpc_url, "vlm", load_prompts(tokenizer, spec), spec,
                                                {"min_length": output_tokens},
                                                lambda i: image_input(with_comment(image, f"{tag} request {i}"))))
+                wall_s = time.perf_counter() - start
                 rows.append(llm_row(label, "perf/llm.py", spec, summarize(timings, count)))
+                time.sleep(0.5)  # the engine loop observes a request's timings after its final response
+                if note := server_side(before, model_metrics(server.metrics_url, "vlm"), wall_s):
+                    load_notes.append(f"{label} at concurrency {concurrency}: {note}")
                 print(" ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
             twice_rows, note = asked_twice(server.grpc_url, image, label, tokenizer, count, *loads[0][1:])
             rows += twice_rows
@@ -348,7 +353,7 @@ def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple
         "checkpoint's grid, unpadded, row newlines); every request generates exactly `output tokens` (min_length). "
         "Each request's file differs by a JPEG comment (perf.inputs.with_comment; the same pixels), so neither the "
         "image feature cache nor the prefix cache, both keyed by the file's digest, knows it; each prompt differs "
-        "too.", *twice_notes,
+        "too.", *load_notes, *twice_notes,
         f"Preparing this image in this process on the same host (median of 5): CPU path (Pillow decode + two "
         f"antialiased bicubic resizes from the full image + normalise) {times['cpu']:.1f} ms; on the model's device "
         f"({'nvJPEG' if times['nvjpeg'] else 'Pillow'} decode + torch resize) {times['device']:.1f} ms.",

@@ -80,6 +80,7 @@ def test_served_vlm_scenario_measures_both_preprocessing_paths(repository, tmp_p
         for ask in ("", ", a new image", ", the same image again")]
     assert all(float(r.split("|")[7]) > 0 for r in rows)  # TTFT p50
     assert text.count("the same image asked twice (4 new files") == 2
+    assert text.count("at concurrency 2: TTFT in the server") == 2  # the engine's steps beside each load
     tokens = tiler_from_checkpoint(repository / "vlm" / "1").plan(480, 640).num_image_tokens
     assert f"the image adds {tokens} visual tokens" in text
 

@@ -147,7 +147,8 @@ class EngineStats:
 
 def is_multimodal(checkpoint: Path) -> bool:
     """Whether the checkpoint is a vision-language model's (its prompts carry image features)."""
-    return "vision_config" in json.loads((checkpoint / "config.json").read_text())
+    config = checkpoint / "config.json"
+    return config.exists() and "vision_config" in json.loads(config.read_text())
 
 
 class LLMEngine:

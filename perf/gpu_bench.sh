@@ -8,7 +8,8 @@
 #   IMAGE_SETS ("mixed thumbnails")  INTERVAL_MS (1500)  TINY=1: tiny engines on CPU, to check the bundle anywhere
 #   SCENARIOS ("images"; "llm": the served llm streaming run on the tiny model, bf16 on CUDA; "vlm": time to first
 #   token of the served vlm for a 4K JPEG, a new file each request (no cache knows it), and for the same image asked
-#   twice, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16;
+#   twice, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16 (first the test of a second question
+#   as decode rows, on the GPU);
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16, and where
 #   the engine's steps spend their time (perf.whisper_steps);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
@@ -36,7 +37,8 @@
 #   "gemv-fp8w": the GEMV configurations swept in bf16 and weights-only FP8;
 #   "fp8-rows": the FP8 GEMM tests, then the engine on Llama-3-8B shapes in bf16, weights-only FP8 with the GEMM's
 #   configurations as they are and swapped, and W8A8 through that GEMM on FP8 inputs (perf.llm_engine --variants);
-#   "overlap": the engine on Llama-3-8B shapes in bf16 and weights-only FP8, each without and with overlap_steps (the
+#   "overlap": the paged decode kernel's and the overlap tests on the GPU, then
+#   the engine on Llama-3-8B shapes in bf16 and weights-only FP8, each without and with overlap_steps (the
 #   next step launched before this one's text is decoded), one run, and their decode steps of 1 and 64 sequences
 #   under torch.profiler, kernel time by kind (perf.llm_engine --variants --profile-rows);
 #   "llm8b": the served `llm` on Llama-3-8B shapes (random bf16, built here) at 1, 16 and 64 streams of 128/128
@@ -159,6 +161,8 @@ if [[ " ${SCENARIOS:-images} " == *" vlm "* ]]; then
   else  # CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16 weights made on the GPU (16 GB of safetensors)
     "${build[@]}" vlm --random-init llava-next-8b --precision bf16 --device cuda
   fi
+  # a cached image's second question as decode rows, image rows from the decode graphs' static buffer
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llava_vision.py -k "same_image"
   "$py" -c "import sys; from pathlib import Path; from perf.llm_scenarios import served_vlm_bench; \
 from perf.report import hardware_line; \
 served_vlm_bench(Path('model_repository'), Path(sys.argv[1]) / sys.argv[2], hardware_line('2.51.0'))" \
@@ -233,6 +237,7 @@ if [[ " ${SCENARIOS:-images} " == *" fp8-engine "* ]]; then
     --scenario llm-engine-fp8-default --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" overlap "* ]]; then  # the next step launched before this one's text is decoded
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_paged_decode.py  # (the kernel combines its partitions)
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_llm_engine.py \
     -k "(overlap or graphs or ahead or drawn) and not waits"
   # what to know, not a gate for the measurement: whether launching a step ahead waits for the device anywhere

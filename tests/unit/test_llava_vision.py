@@ -163,10 +163,12 @@ def test_image_requests_with_lora_adapters_generate_like_llava_next_with_peft(ch
     assert {k: s.output_ids for k, s in seqs.items()} == expected and expected[""] != expected["style"]
 
 
-def test_the_same_image_asked_again_runs_the_rest_of_its_prompt_as_decode_rows(checkpoint, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh's vlm scenario runs it)"))])
+def test_the_same_image_asked_again_runs_the_rest_of_its_prompt_as_decode_rows(checkpoint, monkeypatch, device):
     """The second question about an image finds the blocks up to it cached (image included); the rest, the image's
-    last partly filled block and the question, runs as rows of a decode step (on a GPU its CUDA graph), the image
-    positions' rows taking their features from the static buffer: the same tokens as LLaVA-NeXT."""
+    last partly filled block and the question, runs as rows of a decode step (on a GPU from its CUDA graph), the
+    image positions' rows taking their features from the static buffer: the same tokens as LLaVA-NeXT."""
     from transformers import AutoProcessor, LlavaNextForConditionalGeneration
 
     from backends.llm import runner
@@ -179,8 +181,8 @@ def test_the_same_image_asked_again_runs_the_rest_of_its_prompt_as_decode_rows(c
     image = random_image(*SIZES[1], seed=5)
     tiles, plan = tiler.tiles(image, ImagePreprocessor.from_dict(image_processor_config(checkpoint)))
     (embeds,) = LlavaVision(checkpoint, tiler)(torch.from_numpy(tiles), [plan])
-    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8))
-    assert engine.runner.image_rows is not None
+    engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device=device, kv_cache_memory_mb=8))
+    assert engine.runner.image_rows is not None and engine.runner.capture == (device == "cuda")
     image_rows, prefills = [], []
 
     def features(rows, real=runner.image_features):

@@ -41,7 +41,8 @@ def partition(fp8_cache: bool) -> tuple:
     strides = ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_tb", "partition", "partitions")
     return ("backends.llm.paged_decode", "_partition_kernel",
             {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "tables_ptr": "*i32", "lengths_ptr": "*i32",
-             "acc_ptr": "*fp32", "stats_ptr": "*fp32"}, {"scale": "fp32", **{name: "i32" for name in strides}},
+             "acc_ptr": "*fp32", "stats_ptr": "*fp32", "counters_ptr": "*i32", "out_ptr": "*bf16"},
+            {"scale": "fp32", **{name: "i32" for name in strides}},
             dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, TOKENS=32, FP8=fp8_cache,
                  PRECISION="tf32"))
 
@@ -58,9 +59,6 @@ CASES = {
     "prepare-norm-static": prepare(True, True, True),
     "paged-partition": partition(False),
     "paged-partition-fp8-cache": partition(True),
-    "paged-combine": ("backends.llm.paged_decode", "_combine_kernel",
-                      {"acc_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16"}, {"partitions": "i32"},
-                      dict(HEAD_DIM=128, HEAD_PAD=128, PARTITIONS_PAD=8)),
     "fp8-weight-gemm": ("backends.llm.fp8_gemm", "_fp8_weight_gemm_kernel",
                         {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "bias_ptr": "*fp32",
                          "out_ptr": "*bf16", "x_scale_ptr": "*fp32", "partial_ptr": "*fp32", "lock_ptr": "*i32"},

@@ -64,26 +64,27 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, acc_ptr, sta
     if partitions == 1:
         tl.store(outs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=written)
     else:
-        rows = (seq * heads + head) * partitions  # [B, heads, partitions] rows: this head's first
-        tl.store(acc_ptr + (rows + part)[:, None] * HEAD_PAD + d[None, :], acc, mask=g[:, None] < GROUP)
-        tl.store(stats_ptr + (rows + part) * 2, m, mask=g < GROUP)
-        tl.store(stats_ptr + (rows + part) * 2 + 1, total, mask=g < GROUP)
+        head_rows = (seq * heads + head) * partitions  # [B, heads, partitions] rows: each head's first
+        tl.store(acc_ptr + (head_rows + part)[:, None] * HEAD_PAD + d[None, :], acc, mask=g[:, None] < GROUP)
+        tl.store(stats_ptr + (head_rows + part) * 2, m, mask=g < GROUP)
+        tl.store(stats_ptr + (head_rows + part) * 2 + 1, total, mask=g < GROUP)
         tl.debug_barrier()  # every thread's stores are made before the counter says so
         counter = counters_ptr + seq * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == partitions - 1:  # the last: combine, in partition order
             m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
             total = tl.zeros([GROUP_PAD], tl.float32)
             acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-            for p in range(0, partitions):
-                m_p = tl.load(stats_ptr + (rows + p) * 2, mask=g < GROUP, other=float("-inf"), cache_modifier=".cg")
-                total_p = tl.load(stats_ptr + (rows + p) * 2 + 1, mask=g < GROUP, other=0.0, cache_modifier=".cg")
-                acc_p = tl.load(acc_ptr + (rows + p)[:, None] * HEAD_PAD + d[None, :], mask=g[:, None] < GROUP,
+            for i in range(0, partitions):
+                stats = stats_ptr + (head_rows + i) * 2
+                m_i = tl.load(stats, mask=g < GROUP, other=float("-inf"), cache_modifier=".cg")
+                total_i = tl.load(stats + 1, mask=g < GROUP, other=0.0, cache_modifier=".cg")
+                acc_i = tl.load(acc_ptr + (head_rows + i)[:, None] * HEAD_PAD + d[None, :], mask=g[:, None] < GROUP,
                                 other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, m_p)
+                m_new = tl.maximum(m, m_i)
                 alpha = tl.where(m > float("-inf"), tl.exp(m - m_new), 0.0)  # empty partitions weigh nothing
-                beta = tl.where(m_p > float("-inf"), tl.exp(m_p - m_new), 0.0)
-                acc = acc * alpha[:, None] + acc_p * beta[:, None]
-                total = total * alpha + total_p * beta
+                beta = tl.where(m_i > float("-inf"), tl.exp(m_i - m_new), 0.0)
+                acc = acc * alpha[:, None] + acc_i * beta[:, None]
+                total = total * alpha + total_i * beta
                 m = m_new
             tl.atomic_xchg(counter, 0)  # ready for the next call
             tl.store(outs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=written)

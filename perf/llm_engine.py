@@ -31,7 +31,7 @@ import torch
 
 from backends.core.devices import DTYPES
 from backends.llm.engine import EngineConfig, EngineStats, LLMEngine
-from backends.llm import fp8, fp8_gemm, runner
+from backends.llm import fp8, fp8_gemm, gemv, runner
 from backends.llm.fp8 import Fp8Scheme
 from backends.llm.model import checkpoint_tensors
 from backends.llm.sampling import SamplingParams
@@ -44,7 +44,8 @@ OPTIONS = {"overlap",  # overlap_steps on
            "swap",  # FP8 GEMMs of 2+ rows swapped (fp8_gemm.SWAP_FROM_ROWS)
            "w8a8gemm",  # W8A8 steps of 2-256 rows by fp8_gemm.py on FP8 inputs, not cuBLAS (fp8.W8A8_GEMM_MAX_ROWS)
            "whole",  # decode graphs captured whole, not in pieces (runner.GRAPH_PIECES)
-           "ramp"}  # decode graphs in pieces of 1, 2, 4, ... layers (runner.GRAPH_RAMP)
+           "ramp",  # decode graphs in pieces of 1, 2, 4, ... layers (runner.GRAPH_RAMP)
+           "pdl"}  # every GEMV launched with PDL, not only those after a prepare kernel (gemv.PDL_UNPREPARED)
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                   rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
@@ -187,7 +188,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
     found: list[dict[str, float]] = []
     notes = []
     labels = [" ".join(v) for v in variants]
-    defaults = fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS, runner.GRAPH_PIECES, runner.GRAPH_RAMP  # (variants
+    defaults = (fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS, runner.GRAPH_PIECES, runner.GRAPH_RAMP,
+                gemv.PDL_UNPREPARED)  # (variants
     # change them; restored at the end)
     for (precision, attention, linear, *options), label in zip(variants, labels):
         options = set(options[0].split("+")) if options else set()
@@ -195,6 +197,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         fp8.W8A8_GEMM_MAX_ROWS = fp8.FP8_GEMM_MAX_ROWS if "w8a8gemm" in options else defaults[1]
         runner.GRAPH_PIECES = 1 if "whole" in options else defaults[2]
         runner.GRAPH_RAMP = "ramp" in options or defaults[3]
+        gemv.PDL_UNPREPARED = "pdl" in options or defaults[4]
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
@@ -241,7 +244,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS, runner.GRAPH_PIECES, runner.GRAPH_RAMP = defaults
+    fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS, runner.GRAPH_PIECES, runner.GRAPH_RAMP, gemv.PDL_UNPREPARED = \
+        defaults
     columns = ["measure", *labels, *(f"{label} / {labels[0]}" for label in labels[1:])]
 
     def row(measure: str, key: str, fmt: str) -> list[str]:

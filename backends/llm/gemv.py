@@ -25,6 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8 = torch.float8_e4m3fn
 MAX_K = 32768  # the longest input row `prepare` takes (one program holds it in registers)
+PDL_UNPREPARED = False  # PDL for GEMVs with no prepare kernel before them too (o_proj, down_proj); perf.llm_engine
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     prepared = norm is not None or quantize
     # PDL where a prepare kernel comes first: the weight reads start while it runs (FP8: 1-2 us a projection on the
     # H200); bf16 GEMVs after each other were slower with it (gate_up 59.9 vs 57.4 us), the early CTAs competing
-    pdl = c.pdl and prepared and pdl_runs_on(x.device)
+    pdl = c.pdl and (prepared or PDL_UNPREPARED) and pdl_runs_on(x.device)
     x_scale = None
     if prepared:
         x, x_scale = prepare(x, norm, quantize, input_scale, pdl)

@@ -38,13 +38,13 @@ def prepare(norm: bool, quantize: bool, static: bool) -> tuple:
 
 def partition(fp8_cache: bool) -> tuple:
     cache = "*u8" if fp8_cache else "*bf16"
-    strides = ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_tb", "partition", "partitions")
+    strides = ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_tb", "partitions")
     return ("backends.llm.paged_decode", "_partition_kernel",
             {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "tables_ptr": "*i32", "lengths_ptr": "*i32",
              "acc_ptr": "*fp32", "stats_ptr": "*fp32", "counters_ptr": "*i32", "out_ptr": "*bf16"},
             {"scale": "fp32", **{name: "i32" for name in strides}},
             dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_PAD=128, BLOCK_SIZE=16, TOKENS=32, FP8=fp8_cache,
-                 PRECISION="tf32"))
+                 PRECISION="tf32", PARTITIONS_PAD=4))
 
 
 CASES = {

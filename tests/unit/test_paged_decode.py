@@ -55,10 +55,10 @@ def kernel_meta(meta: AttentionMetadata) -> AttentionMetadata:
     ([70, 1, 129], 8, 1, 32, 8),  # MQA, small blocks, several partitions of TOKENS keys
     ([20, 3], 6, 2, 80, 16),  # a head_dim that is not a power of two
 ])
-@pytest.mark.parametrize("programs", [512, 1])  # several partitions combined by the last program; one partition
+@pytest.mark.parametrize("programs", [2048, 1])  # several partitions combined by the last program; one partition
 def test_kernel_equals_the_gather_reference(lengths, heads, kv_heads, head_dim, block_size, programs, monkeypatch):
     monkeypatch.setattr(paged_decode, "TARGET_PROGRAMS", programs)
-    assert (paged_decode.partitions(len(lengths), kv_heads, 32 * block_size)[1] == 1) == (programs == 1)
+    assert (paged_decode.partitions(len(lengths), kv_heads, 32 * block_size) == 1) == (programs == 1)
     q, kv, meta, _ = decode_case(lengths, heads, kv_heads, head_dim, block_size, torch.float32, width=32)
     expected = paged_attention(q.view(-1, heads, head_dim), kv, meta)
     for _ in range(2):  # the second call finds the counters the first one reset
@@ -66,11 +66,21 @@ def test_kernel_equals_the_gather_reference(lengths, heads, kv_heads, head_dim, 
         torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_partitions_cover_the_context_and_follow_the_batch():
-    for batch, kv_heads, context in [(1, 8, 256), (1, 8, 4096), (64, 8, 4096), (1, 3, 16), (7, 1, 4000)]:
-        length, count = paged_decode.partitions(batch, kv_heads, context)
-        assert length % paged_decode.TOKENS == 0 and length * count >= context > length * (count - 1)
-    assert paged_decode.partitions(1, 8, 4096)[1] > paged_decode.partitions(64, 8, 4096)[1] == 1
+def test_strided_partitions_walk_several_chunks_each(monkeypatch):
+    """2 partitions of a 129-key context: chunks 0, 2, 4 and 1, 3 of TOKENS keys; 3 keys: one partition writes."""
+    monkeypatch.setattr(paged_decode, "TARGET_PROGRAMS", 6)
+    lengths = [129, 64, 3]
+    assert paged_decode.partitions(len(lengths), 1, 32 * 8) == 2
+    q, kv, meta, _ = decode_case(lengths, 8, 1, 32, 8, torch.float32, width=32)
+    expected = paged_attention(q, kv, meta)
+    for _ in range(2):
+        torch.testing.assert_close(paged_attention(q, kv, kernel_meta(meta)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_partitions_follow_the_batch_and_the_widest_context():
+    assert paged_decode.partitions(1, 8, 4096) == 4096 // paged_decode.TOKENS  # a chunk each at most
+    assert paged_decode.partitions(64, 8, 4096) == paged_decode.TARGET_PROGRAMS // 512 > 1
+    assert paged_decode.partitions(1, 3, 16) == 1 and paged_decode.partitions(4096, 8, 4096) == 1
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 and FP8 kernels on a GPU (perf/gpu_bench.sh runs them)")

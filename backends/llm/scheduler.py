@@ -24,6 +24,8 @@ from backends.llm.sequence import Sequence, Status
 if TYPE_CHECKING:
     from backends.llm.adapter_cache import AdapterCache
 
+EXPECTED_S = 10.0  # a QoS class added within this long may come again any moment: lower ones' steps stay short
+
 
 def qos_order(seq: Sequence, now: float) -> tuple:
     """Scheduling order, lowest first: the QoS ticket's (backends/core/qos.py), then arrival."""
@@ -47,12 +49,14 @@ class Scheduler:
         self.lower, self.lower_tokens, self.lower_step_s = LowerShare(lower_share), lower_tokens, lower_step_s
         self.prefill_token_s: float | None = None  # seconds a prompt token took in recent prefill steps (moving mean)
         self.lower_step = False  # the step scheduled last started lower-class prompts beside a higher class
+        self.added_at: dict[int, float] = {}  # QoS rank -> when a sequence of it was last added
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.added_at[seq.ticket.rank] = time.monotonic()
 
     @property
     def has_work(self) -> bool:
@@ -94,19 +98,23 @@ class Scheduler:
         wider step, not a wait); else (and with images) only when the lower classes' share of time allows
         (`yielded`), within `lower_tokens` and within the tokens recent prefill steps computed in `lower_step_s`: the
         share bounds how much of the time the higher class waits, this how long one wait lasts (its latency's tail),
-        in seconds whatever the model and device (a prompt longer than that still starts, alone)."""
+        in seconds whatever the model and device (a prompt longer than that still starts, alone). The step cap also
+        holds while no higher class runs but one was added in the last EXPECTED_S: its next request may arrive during
+        the step and wait for it (at twice the capacity on an H100 high-class requests waited up to 110 ms for the
+        engine loop, the time an uncapped step of many low-class prompts, up to max_prefill_tokens, can take)."""
         partial = sorted((s for s in self.running if s.num_tokens - s.num_cached > 1), key=self.order)
         top = min((s.ticket.rank for s in self.running), default=None)
-        chosen = []
+        expected = min((rank for rank, at in self.added_at.items() if self.now - at < EXPECTED_S), default=None)
+        chosen, capped = [], False
         for seq in [*partial, *sorted(self.waiting, key=self.order)]:
-            lower = seq.status is Status.WAITING and top is not None and seq.ticket.rank > top \
-                and not seq.ticket.overdue(self.now)
+            lower = self._below(seq, top)
             rides_lower = lower and self.lower_rides and self.prompt_rows > 0 and seq.embeds is None
             if rides_lower and not riding:
                 break
-            if lower and not rides_lower and not self.lower_step:  # the first lower prompt (the rest are lower too)
-                if self.lower.closed(self.now):
-                    break
+            if lower and not rides_lower and not self.lower_step and self.lower.closed(self.now):  # (the first lower
+                break  # prompt: the rest are lower too)
+            if (lower and not rides_lower or self._below(seq, expected)) and not capped:
+                capped = True
                 budget = min(budget, self.lower_tokens or budget, self._lower_step_tokens() or budget)
             if budget <= 0:
                 break
@@ -135,6 +143,11 @@ class Scheduler:
             budget -= seq.step_tokens
             chosen.append(seq)
         return chosen
+
+    def _below(self, seq: Sequence, rank: int | None) -> bool:
+        """`seq` waits, of a lower class than `rank` (None: none), and not past its class's aging bound."""
+        return seq.status is Status.WAITING and rank is not None and seq.ticket.rank > rank \
+            and not seq.ticket.overdue(self.now)
 
     def yielded(self, seconds: float, lower_step: bool, prefill_tokens: int = 0) -> None:
         """The engine ran a step in `seconds`: when it started lower-class prompts beside a higher class

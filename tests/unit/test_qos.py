@@ -10,6 +10,7 @@ import pytest
 from backends.core.errors import InvalidInput, Unavailable
 from backends.core.params import ParameterError
 from backends.core.qos import QosParams, QosPolicy, QosPool, Ticket, admit_in_order
+from backends.llm import scheduler as scheduler_module
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.sampling import SamplingParams
 from build_engines.checkpoints import tiny_checkpoint
@@ -246,6 +247,28 @@ def test_a_lower_class_step_takes_the_prompt_tokens_recent_prefill_steps_compute
     scheduler.yielded(0.004, False, prefill_tokens=4)  # 1 ms a token: the moving mean moves a fifth of the way
     assert scheduler.prefill_token_s == pytest.approx(0.8e-4 + 0.2e-3)
     run_to_end(engine)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_lower_class_steps_stay_capped_while_a_higher_class_was_added_lately():
+    """No high-class request runs, but one was added within EXPECTED_S: its next one may arrive during the step, so
+    low prompts start within the step cap (one 6-token prompt of the cap of 8, not both); once that is longer ago,
+    together."""
+    engine = LLMEngine(tiny_checkpoint("llm", ROOT / ".checkpoints"),
+                       EngineConfig(dtype="fp32", device="cpu", kv_cache_memory_mb=8, max_batch=4, prompt_rows=0,
+                                    qos_lower_share=1, qos_lower_tokens=8, qos_lower_step_ms=0))
+    qos, scheduler = engine.qos, engine.scheduler
+    high = engine.add("urgent", SamplingParams(max_tokens=2, min_tokens=2), ticket=qos.ticket("high"))
+    run_to_end(engine)
+    short = [engine.tokenizer.encode(text)[:6] for text in ("a b c d e f g", "h i j k l m n")]
+    for lately in (True, False):
+        if not lately:
+            scheduler.added_at[high.ticket.rank] -= scheduler_module.EXPECTED_S
+        lows = [engine.add(p, SamplingParams(max_tokens=2, min_tokens=2), ticket=qos.ticket("low")) for p in short]
+        engine.step()
+        assert scheduler.running == (lows[:1] if lately else lows)
+        run_to_end(engine)
+        assert all(low.finish_reason == "length" for low in lows)
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 

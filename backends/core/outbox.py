@@ -5,7 +5,9 @@ the server process (tens of microseconds). Made on the engine loop, 64 streams' 
 milliseconds a step. The outbox makes them on one background thread, which releases the GIL while it waits, and
 merges the text deltas of a stream that queued up meanwhile into one response, as streaming servers do under load.
 Finals are sent after everything queued before them for their stream, and a request is never asked whether it was
-cancelled once its final response has gone.
+cancelled once its final response has gone. A round of those questions gives way to responses queued meanwhile: with
+hundreds of requests queued in the engine (at twice the capacity), a round of round trips would hold up every
+stream's next token.
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ class _OutboxThread:
         self._metrics: tuple[dict, dict] | None = None
         self._watched: dict[int, tuple[object, Hashable]] = {}  # id(sender) -> (request, key); this thread only
         self._to_watch: list[tuple[object, object, Hashable]] = []
+        self._round: list[int] = []  # id(sender)s the current round of cancellation polls has still to ask
         self._cancelled: queue.SimpleQueue[Hashable] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._closing = False
@@ -168,9 +171,10 @@ class _OutboxThread:
                 return
             if metrics is not None:
                 self._guard(self._update_metrics, *metrics)
-            if time.monotonic() - last_poll >= self._poll_s:
+            if self._round or time.monotonic() - last_poll >= self._poll_s:
+                if not self._round:
+                    last_poll = time.monotonic()
                 self._poll_cancelled()
-                last_poll = time.monotonic()
 
     def deliver(self, message: _Message) -> None:
         if message.arrive is not None:
@@ -184,10 +188,16 @@ class _OutboxThread:
         self._guard(message.sender.send, response, flags=flags)
 
     def _poll_cancelled(self) -> None:
-        for sender_id, (request, key) in list(self._watched.items()):
-            if self._guard(request.is_cancelled):
+        """Asks the watched requests of this round (a new round: all of them) whether they were cancelled, until
+        the round ends or a message waits to be sent; the round goes on after it."""
+        if not self._round:
+            self._round = list(self._watched)
+        while self._round and not self._messages:  # (a list's truth read without the lock: at worst one ask more)
+            sender_id = self._round.pop()
+            watched = self._watched.get(sender_id)
+            if watched is not None and self._guard(watched[0].is_cancelled):
                 del self._watched[sender_id]
-                self._cancelled.put(key)
+                self._cancelled.put(watched[1])
 
     @staticmethod
     def _guard(call, *args, **kwargs):

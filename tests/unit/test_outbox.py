@@ -81,6 +81,27 @@ def test_cancellation_is_reported_once_and_finished_streams_are_no_longer_polled
     box.close()
 
 
+def test_a_round_of_cancellation_polls_gives_way_to_responses():
+    """100 watched requests, each ask 2 ms (an IPC round trip under load): a round takes 0.2 s, yet a response
+    queued during it leaves at once; the round then goes on, and a cancellation in it is still reported."""
+    class SlowRequest(Request):
+        def is_cancelled(self):
+            time.sleep(0.002)
+            return super().is_cancelled()
+
+    box, requests = outbox(), [SlowRequest() for _ in range(100)]
+    for i, request in enumerate(requests):
+        box.watch(Sender(), request, i)
+    wait_for(lambda: sum(r.polls for r in requests) >= 10)  # a round is under way
+    sender, start = Sender(), time.monotonic()
+    box.text(sender, "first token")
+    wait_for(lambda: sender.sent)
+    assert time.monotonic() - start < 0.05 and sum(r.polls for r in requests) < 90
+    requests[0].cancelled = True
+    wait_for(lambda: box.cancelled() == [0])
+    box.close()
+
+
 def test_a_failing_send_does_not_stop_the_outbox_and_after_close_sends_are_direct():
     broken, fine = Sender(fail=True), Sender()
     box = outbox()

@@ -165,11 +165,15 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
     tokenizer = AutoTokenizer.from_pretrained(folder)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731  (as llm_streaming counts)
     engine = LLMEngine(folder, EngineConfig.from_config(read_parameters(repository / "llm" / "config.pbtxt")))
+    notes.append(f"In process: {engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens.")
     in_process_tokens_per_s(engine, ["warm up"] * 4, 4, 8, 16, count)  # compiles the prefill kernels
     for row, (concurrency, input_tokens, output_tokens) in zip(list(rows), loads):
         spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
         prompts = load_prompts(tokenizer, spec)[concurrency:]  # the served load's measured requests' prompts
+        before, start = stats_counters(engine.stats), time.perf_counter()
         ours = in_process_tokens_per_s(engine, prompts, concurrency, output_tokens, spec.requests, count)
+        notes.append(f"In process at concurrency {concurrency}: "
+                     f"{engine_steps(before, stats_counters(engine.stats), time.perf_counter() - start)}.")
         rows.append(["llm", "in process", concurrency, input_tokens, output_tokens, spec.requests, *["-"] * 7, ours])
         print(f"c={concurrency}: served {row[13]:.1f}, in process {ours:.1f} tokens/s (served / in process "
               f"{row[13] / ours:.2f})", flush=True)
@@ -185,6 +189,12 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
         f"{ready_s:.1f} s; reading the {size / 2**30:.1f} GiB of weights' files alone: {read_s:.1f} s (just "
         "written, so likely from the page cache)."])
     print("LLM streaming (served 8B llm beside in process) written", flush=True)
+
+
+def stats_counters(stats) -> dict[str, float]:
+    """An engine's EngineStats under the names of mm_llm's llm_* counters (for engine_steps)."""
+    return {f"llm_{name}_total": float(getattr(stats, name)) for name in (
+        "prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_seconds", "decode_tokens")}
 
 
 def read_files_s(files: list[Path], chunk: int = 64 << 20) -> float:

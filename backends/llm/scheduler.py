@@ -111,8 +111,9 @@ class Scheduler:
             rides_lower = lower and self.lower_rides and self.prompt_rows > 0 and seq.embeds is None
             if rides_lower and not riding:
                 break
-            if lower and not rides_lower and not self.lower_step and self.lower.closed(self.now):  # (the first lower
-                break  # prompt: the rest are lower too)
+            first_lower = lower and not rides_lower and not self.lower_step  # (the ones after it are lower too)
+            if first_lower and self.lower.closed(self.now):
+                break
             if (lower and not rides_lower or self._below(seq, expected)) and not capped:
                 capped = True
                 budget = min(budget, self.lower_tokens or budget, self._lower_step_tokens() or budget)

@@ -147,10 +147,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w_scale_ptr, x_scale_ptr, bias_ptr, res_
             up += _dot(w_up, x)
     for i in tl.range(1 if PDL else 0, ITERS, loop_unroll_factor=UNROLL):
         offs = first + i * BLOCK_K + k
-        x = _input(x_row, offs, K, EVEN)
-        acc += _dot(_load_weights(w_rows, offs, cols, N, K, EVEN), x)
+        # the weights asked for before the input: the input's trip through shared memory (a barrier) would otherwise
+        # come first, and the weight loads wait behind it (sm_90 code read with nvdisasm)
+        w = _load_weights(w_rows, offs, cols, N, K, EVEN)
         if GATED:
-            up += _dot(_load_weights(up_rows, offs, cols, N, K, EVEN), x)
+            w_up = _load_weights(up_rows, offs, cols, N, K, EVEN)
+        x = _input(x_row, offs, K, EVEN)
+        acc += _dot(w, x)
+        if GATED:
+            up += _dot(w_up, x)
     x_scale = 1.0  # unquantized inputs: bf16 weights, or FP8 weights only
     if QUANTIZED:
         x_scale = tl.load(x_scale_ptr) if STATIC else tl.load(x_scale_ptr + row)

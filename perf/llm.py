@@ -3,7 +3,10 @@
 Figures are genai-perf's definitions, so the two can be compared on the same load: time to first token (request sent
 -> first non-empty response), inter-token latency ((last - first response) / (output tokens - 1) per request),
 request latency, and output tokens/s over the measured phase (all output tokens / (last response - first send)).
-Output tokens are counted with the model's tokenizer on the joined text, or as non-empty responses without one.
+Output tokens are counted with the model's tokenizer on the joined text, or as non-empty responses without one;
+where every request was held to its length (min_length = max_tokens), a request that ended for length counts exactly
+that many (re-tokenising the text of random weights over a byte-level vocabulary counted 1.7x: its invalid UTF-8
+comes back as U+FFFD, three bytes).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class StreamTiming:
     error: str | None = None
     ended: float = 0.0  # when the final response (or the error) arrived
     request_id: str = ""  # the id it was sent with (Triton's trace and the engine's spans record it)
+    finish_reason: str = ""  # the final response's ("length", "stop", ...), where it sent one
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ async def stream_one(client: grpcclient.InferenceServerClient, model: str, input
                 pieces.append(output.reshape(-1)[0].decode("utf-8", errors="replace"))
                 timing.arrivals.append(now)
             if result.get_response().parameters["triton_final_response"].bool_param:
+                reason = result.as_numpy("finish_reason")
+                timing.finish_reason = reason.reshape(-1)[0].decode() if reason is not None and reason.size else ""
                 timing.ended = now
                 done.set()
     finally:
@@ -125,13 +131,16 @@ async def closed_loop(send: Callable[[int], Awaitable[StreamTiming]], spec: Load
     return await drive(range(spec.concurrency, spec.concurrency + spec.requests))
 
 
-def summarize(timings: list[StreamTiming], count_tokens: Callable[[str], int] | None = None) -> dict[str, float]:
-    """genai-perf's figures (ms, tokens/s) with p50/p90/p99; raises if any request failed."""
+def summarize(timings: list[StreamTiming], count_tokens: Callable[[str], int] | None = None,
+              forced_tokens: int | None = None) -> dict[str, float]:
+    """genai-perf's figures (ms, tokens/s) with p50/p90/p99; raises if any request failed. `forced_tokens`: the
+    length every request was held to (min_length = max_tokens), exact for those that ended for length."""
     errors = [t.error for t in timings if t.error]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(timings)} requests failed, first: {errors[0]}")
     done = [t for t in timings if t.arrivals]
-    tokens = np.array([count_tokens(t.text) if count_tokens else len(t.arrivals) for t in done])
+    tokens = np.array([forced_tokens if forced_tokens and t.finish_reason == "length"
+                       else count_tokens(t.text) if count_tokens else len(t.arrivals) for t in done])
     ttft = np.array([t.arrivals[0] - t.sent for t in done]) * 1e3
     latency = np.array([t.arrivals[-1] - t.sent for t in done]) * 1e3
     multi = tokens > 1

@@ -54,7 +54,7 @@ def llm_streaming(server: TritonServer, model: str, tokenizer_dir: Path, tmp: Pa
         before, start = model_metrics(server.metrics_url, model), time.perf_counter()
         timings = asyncio.run(run_load(server.grpc_url, model, prompts, spec, {"min_length": output_tokens}))
         wall_s = time.perf_counter() - start
-        rows.append(llm_row(model, "perf/llm.py", spec, summarize(timings, count)))
+        rows.append(llm_row(model, "perf/llm.py", spec, summarize(timings, count, spec.output_tokens)))
         time.sleep(0.5)  # the engine loop observes a request's timings after its final response
         load = f"perf/llm.py at concurrency {concurrency}, {input_tokens} in / {output_tokens} out"
         if note := server_side(before, model_metrics(server.metrics_url, model), wall_s):
@@ -154,6 +154,7 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
     from transformers import AutoTokenizer
 
     from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.mm_llm.model import engine_stats
     from build_engines.repository import read_parameters
 
     folder = repository / "llm" / "1"
@@ -163,17 +164,16 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
         ready_s = time.perf_counter() - start
         rows, notes = llm_streaming(server, "llm", folder, tmp, loads=loads, genai_loads=[])
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731  (as llm_streaming counts)
     engine = LLMEngine(folder, EngineConfig.from_config(read_parameters(repository / "llm" / "config.pbtxt")))
     notes.append(f"In process: {engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens.")
-    in_process_tokens_per_s(engine, ["warm up"] * 4, 4, 8, 16, count)  # compiles the prefill kernels
+    in_process_tokens_per_s(engine, ["warm up"] * 4, 4, 8, 16)  # compiles the prefill kernels
     for row, (concurrency, input_tokens, output_tokens) in zip(list(rows), loads):
         spec = LoadSpec(concurrency, input_tokens, output_tokens, requests=max(16, 4 * concurrency))
         prompts = load_prompts(tokenizer, spec)[concurrency:]  # the served load's measured requests' prompts
-        before, start = stats_counters(engine.stats), time.perf_counter()
-        ours = in_process_tokens_per_s(engine, prompts, concurrency, output_tokens, spec.requests, count)
+        before, start = engine_stats(engine)[1], time.perf_counter()
+        ours = in_process_tokens_per_s(engine, prompts, concurrency, output_tokens, spec.requests)
         notes.append(f"In process at concurrency {concurrency}: "
-                     f"{engine_steps(before, stats_counters(engine.stats), time.perf_counter() - start)}.")
+                     f"{engine_steps(before, engine_stats(engine)[1], time.perf_counter() - start)}.")
         rows.append(["llm", "in process", concurrency, input_tokens, output_tokens, spec.requests, *["-"] * 7, ours])
         print(f"c={concurrency}: served {row[13]:.1f}, in process {ours:.1f} tokens/s (served / in process "
               f"{row[13] / ours:.2f})", flush=True)
@@ -184,17 +184,11 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
         "driven by perf/llm.py over gRPC streaming; then the same checkpoint and engine parameters in process on the "
         "same prompts (a distinct one for each request: prefix caching finds nothing), with the same number of "
         "requests kept in flight (a new one added as one finishes). Every request asks for exactly `output tokens` "
-        "(min_length = max_tokens); both count output tokens by re-tokenising the text.", *notes,
+        "(min_length = max_tokens) and counts as that many where it ended for length; in process, the tokens each generated.", *notes,
         f"Server start to ready (tritonserver, the python stub, the engine: weights, KV cache, CUDA graphs): "
         f"{ready_s:.1f} s; reading the {size / 2**30:.1f} GiB of weights' files alone: {read_s:.1f} s (just "
         "written, so likely from the page cache)."])
     print("LLM streaming (served 8B llm beside in process) written", flush=True)
-
-
-def stats_counters(stats) -> dict[str, float]:
-    """An engine's EngineStats under the names of mm_llm's llm_* counters (for engine_steps)."""
-    return {f"llm_{name}_total": float(getattr(stats, name)) for name in (
-        "prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_seconds", "decode_tokens")}
 
 
 def read_files_s(files: list[Path], chunk: int = 64 << 20) -> float:
@@ -208,9 +202,9 @@ def read_files_s(files: list[Path], chunk: int = 64 << 20) -> float:
     return time.perf_counter() - start
 
 
-def in_process_tokens_per_s(engine, prompts: list[str], concurrency: int, output_tokens: int, requests: int,
-                            count_tokens) -> float:
-    """Output tokens per second of `requests` requests run by `engine` directly, `concurrency` kept in flight."""
+def in_process_tokens_per_s(engine, prompts: list[str], concurrency: int, output_tokens: int, requests: int) -> float:
+    """Output tokens per second of `requests` requests run by `engine` directly, `concurrency` kept in flight: the
+    tokens each generated (its text re-tokenised counts more where it is not valid UTF-8, random weights')."""
     from backends.llm.sampling import SamplingParams
 
     sampling = SamplingParams(max_tokens=output_tokens, min_tokens=output_tokens)
@@ -221,7 +215,7 @@ def in_process_tokens_per_s(engine, prompts: list[str], concurrency: int, output
         while queue and len(running) < concurrency:
             running.append(engine.add(queue.pop(), sampling))
         engine.step()
-        tokens += sum(count_tokens(s.text) for s in running if s.finished)
+        tokens += sum(len(s.output_ids) for s in running if s.finished)
         running = [s for s in running if not s.finished]
     return tokens / (time.perf_counter() - start)
 
@@ -291,7 +285,7 @@ def asked_twice(url: str, image: bytes, label: str, tokenizer, count, input_toke
             for k in range(images) for again in (0, 1)]
     timings = asyncio.run(one_by_one(url, "vlm", asks, output_tokens, {"min_length": output_tokens}))
     spec = LoadSpec(1, input_tokens, output_tokens, images)
-    first, second = summarize(timings[0::2], count), summarize(timings[1::2], count)
+    first, second = (summarize(t, count, output_tokens) for t in (timings[0::2], timings[1::2]))
     rows = [llm_row(f"{label}, a new image", "perf/llm.py, asked twice", spec, first),
             llm_row(f"{label}, the same image again", "perf/llm.py, asked twice", spec, second)]
     note = (f"{label}, the same image asked twice ({images} new files, each asked about twice in a row with "
@@ -349,7 +343,7 @@ def served_vlm_bench(repository: Path, results: Path, hardware: str, size: tuple
                                                {"min_length": output_tokens},
                                                lambda i: image_input(with_comment(image, f"{tag} request {i}"))))
                 wall_s = time.perf_counter() - start
-                rows.append(llm_row(label, "perf/llm.py", spec, summarize(timings, count)))
+                rows.append(llm_row(label, "perf/llm.py", spec, summarize(timings, count, spec.output_tokens)))
                 time.sleep(0.5)  # the engine loop observes a request's timings after its final response
                 if note := server_side(before, model_metrics(server.metrics_url, "vlm"), wall_s):
                     load_notes.append(f"{label} at concurrency {concurrency}: {note}")

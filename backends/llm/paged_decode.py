@@ -5,8 +5,11 @@ context; it walks the block table TOKENS keys at a time with an online softmax (
 batch with long contexts still spreads over the GPU). A partition is every P-th chunk of TOKENS keys (P partitions),
 not a contiguous span: the count P is fixed by the CUDA graph's widest context, and strided chunks spread a short
 context over all of them as evenly as a long one (contiguous spans of a 4096-key graph gave 16 rows of 200-key
-contexts one busy program of 4 per sequence and head). Partitions holding no key exit at once. 64 rows of 8 KV heads
-take one partition (on an H100 four made that step's attention 0.66 ms, against 0.62 with the one of 12-05). With one
+contexts one busy program of 4 per sequence and head). Partitions holding no key exit at once. A context longer than
+P chunks sums its keys in an order that follows P, so a sequence's tokens can follow the batch its step ran in: with
+2048 programs the tiny test models' contexts stay one chunk a partition at every graph batch, so the tests comparing
+execution paths token for token hold (512 broke four on an H100, 12-06); 64 rows of 8 KV heads take 4 partitions
+(0.66 ms of attention a step on an H100, against 0.62 with the one of 12-05's contiguous spans). With one
 partition holding keys the program writes the output itself; with more, each writes its unnormalised output with its
 running max and sum, and the last of a sequence's and KV head's programs to finish (an atomic counter) combines them
 in partition order, so the result does not depend on timing. (A second kernel did that before: a launch more a layer,
@@ -23,7 +26,7 @@ import triton.language as tl
 from backends.llm.gemv import Workspace
 
 TOKENS = 32  # keys per inner step
-TARGET_PROGRAMS = 512  # programs at the widest context: an H100/H200 (132 SMs) filled several times over
+TARGET_PROGRAMS = 2048  # programs at the widest context: an H100/H200 (132 SMs) filled several times over
 COUNTERS = Workspace()  # zeroed int32 counters of finished partitions, per (sequence, KV head); each call resets them
 
 

@@ -59,6 +59,9 @@ def test_streamed_greedy_text_equals_transformers(server, reference):
         assert timing.error is None
         assert timing.text == reference(prompt, 20), prompt
         assert len(timing.arrivals) > 1  # streamed, not one final blob
+    # the final response's reason, which perf/llm.py counts a forced-length request's tokens by
+    (forced,) = run(streams(server.grpc_url, [(PROMPTS[0], 7, {"min_length": 7})]))
+    assert forced.finish_reason == "length"
 
 
 def test_32_concurrent_streams_are_batched_and_each_equals_its_solo_run(server, reference):

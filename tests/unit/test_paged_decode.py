@@ -78,9 +78,9 @@ def test_strided_partitions_walk_several_chunks_each(monkeypatch):
 
 
 def test_partitions_follow_the_batch_and_the_widest_context():
-    assert paged_decode.partitions(1, 8, 4096) == paged_decode.TARGET_PROGRAMS // 8
+    assert paged_decode.partitions(1, 8, 16384) == paged_decode.TARGET_PROGRAMS // 8
     assert paged_decode.partitions(1, 8, 256) == 256 // paged_decode.TOKENS  # a chunk each at most
-    assert paged_decode.partitions(16, 8, 4096) == 4 and paged_decode.partitions(64, 8, 4096) == 1
+    assert paged_decode.partitions(16, 8, 4096) == 16 and paged_decode.partitions(64, 8, 4096) == 4
     assert paged_decode.partitions(1, 3, 16) == 1 and paged_decode.partitions(4096, 8, 4096) == 1
 
 

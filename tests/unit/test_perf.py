@@ -71,6 +71,17 @@ def test_summarize_uses_genai_perf_definitions():
     assert summarize(timings, count_tokens=lambda text: 2 * len(text))["output_tokens_mean"] == 14
 
 
+def test_summarize_counts_a_forced_length_where_the_request_ended_for_length():
+    from perf.llm import StreamTiming, summarize
+
+    # random weights over a byte-level vocabulary: 4 tokens whose text re-tokenises as 12 ("\ufffd" is 3 bytes)
+    timings = [StreamTiming(0.0, [0.01 * (i + 1) for i in range(4)], "\ufffd" * 4, finish_reason=reason)
+               for reason in ("length", "stop")]
+    count = lambda text: len(text.encode())  # noqa: E731  (a byte-level tokenizer)
+    assert summarize(timings, count, forced_tokens=4)["output_tokens_mean"] == (4 + 12) / 2
+    assert summarize(timings, count)["output_tokens_mean"] == 12
+
+
 def test_summarize_refuses_failed_requests():
     from perf.llm import StreamTiming, summarize
 

@@ -184,7 +184,8 @@ def served_llm_in_process_bench(repository: Path, results: Path, tmp: Path, hard
         "driven by perf/llm.py over gRPC streaming; then the same checkpoint and engine parameters in process on the "
         "same prompts (a distinct one for each request: prefix caching finds nothing), with the same number of "
         "requests kept in flight (a new one added as one finishes). Every request asks for exactly `output tokens` "
-        "(min_length = max_tokens) and counts as that many where it ended for length; in process, the tokens each generated.", *notes,
+        "(min_length = max_tokens) and counts as that many where it ended for length; in process, the tokens each "
+        "generated.", *notes,
         f"Server start to ready (tritonserver, the python stub, the engine: weights, KV cache, CUDA graphs): "
         f"{ready_s:.1f} s; reading the {size / 2**30:.1f} GiB of weights' files alone: {read_s:.1f} s (just "
         "written, so likely from the page cache)."])

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
+from backends.llm.engine import EngineConfig
 from backends.server import TritonServer, free_port
 from build_engines.cli import main as build_engines
 from client.sdk import generation_arrays, infer_inputs
@@ -283,13 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         family_rows, family_notes = run_family(family, checkpoint, args)
         rows += family_rows
         notes += family_notes
+    llm = EngineConfig()  # the LLM engines' defaults, as the `*_qos` models run them
     notes.append(f"Poisson arrivals for {args.duration_s:g} s per load and model, or longer where fewer than "
                  f"{args.min_high} high-class requests would be sent, the same schedule for the models of "
                  f"a family. Engines: max_batch {args.max_batch}"
                  f"{', ' + ' '.join(args.engine_flags) if args.engine_flags else ''}. `*_qos`: default QoS settings "
                  "(aging bounds high 1 s / normal 5 s / low 30 s, queue limits 256 / 512 / 512; LLM engines: while a "
-                 "higher class runs, lower-class prompts start in at most 25% of the engine's time, in steps of at "
-                 "most 2048 prompt tokens and of what recent prefill steps computed in 25 ms); `*_fifo`: cost "
+                 f"higher class runs, lower-class prompts start in at most {llm.qos_lower_share:.0%} of the engine's "
+                 f"time, in steps of at most {llm.qos_lower_tokens} prompt tokens and of what recent prefill steps "
+                 f"computed in {llm.qos_lower_step_ms:g} ms); `*_fifo`: cost "
                  "weights 0, unbounded queues, no class sent (first come first served).")
     notes.append(f"Command: `python -m perf.qos {' '.join(sys.argv[1:] if argv is None else argv)}`.")
     scenario = "qos-mixed-load" + ("" if set(args.families) == set(MIXES) else "-" + "-".join(args.families))

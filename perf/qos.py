@@ -212,8 +212,10 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
     with TritonServer(repository, free_port(), free_port(), free_port(), log, **traced) as server:
         for model in models:  # warm-up: each engine's first steps compile kernels
             capacity(server.grpc_url, family, model, mix, requests, concurrency, 8 * concurrency)
-        rate = capacity(server.grpc_url, family, f"{family}_fifo", mix, requests, concurrency, 8 * concurrency)
-        print(f"{family} capacity: {rate:.2f} requests/s", flush=True)
+        given = dict(item.split("=", 1) for item in args.capacity)
+        rate = float(given[family]) if family in given else \
+            capacity(server.grpc_url, family, f"{family}_fifo", mix, requests, concurrency, 8 * concurrency)
+        print(f"{family} capacity: {rate:.2f} requests/s{' (given)' if family in given else ''}", flush=True)
         for load in args.loads:
             high = sum(k.share for k in mix if k.qos_class == "high") / sum(k.share for k in mix)
             duration = max(args.duration_s, args.min_high / (load * rate * high))  # enough for a p99 (see --min-high)
@@ -235,7 +237,8 @@ def run_family(family: str, checkpoint: Path, args: argparse.Namespace) -> tuple
                     print(" | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row), flush=True)
     by = {(r[0], r[1], r[2]): r for r in rows}
     light, heavy = min(args.loads), max(args.loads)
-    notes = [f"`{family}`: capacity of the mix {rate:.2f} requests/s (closed loop, {concurrency} in flight); mix: "
+    measured = "given (--capacity)" if family in given else f"closed loop, {concurrency} in flight"
+    notes = [f"`{family}`: capacity of the mix {rate:.2f} requests/s ({measured}); mix: "
              f"{', '.join(k.describe() for k in mix)}; {checkpoint.name}."]
     for model in models:
         p99 = by[model, heavy, "high"][9] / by[model, light, "high"][9]
@@ -267,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="more build_engines flags for every model (last on the line), e.g. --chunk-tokens 256")
     parser.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME=FLAGS",
                         help="one more QoS model with these build_engines flags, e.g. rides=--qos-lower-rides=true")
+    parser.add_argument("--capacity", action="append", default=[], metavar="FAMILY=REQUESTS_PER_S",
+                        help="a family's capacity, not measured: the same load for two commits on a machine whose "
+                        "speed drifts")
     parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="x capacity")
     parser.add_argument("--duration-s", type=float, default=15.0, help="arrivals per load and model, at least")
     parser.add_argument("--min-high", type=int, default=100, help="a load's arrivals last until about this many "

@@ -7,7 +7,8 @@ merges the text deltas of a stream that queued up meanwhile into one response, a
 Finals are sent after everything queued before them for their stream, and a request is never asked whether it was
 cancelled once its final response has gone. A round of those questions gives way to responses queued meanwhile: with
 hundreds of requests queued in the engine (at twice the capacity), a round of round trips would hold up every
-stream's next token.
+stream's next token. Rounds are also spaced so that they take at most POLL_SHARE of the thread's time: asked back to
+back, 500 queued requests kept both outbox threads busy on a 2-core VM, which the engine loop then lacked.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+POLL_SHARE = 0.25  # of an outbox thread's time, at most, asking whether requests were cancelled
 
 
 @dataclass
@@ -106,6 +109,7 @@ class _OutboxThread:
         self._watched: dict[int, tuple[object, Hashable]] = {}  # id(sender) -> (request, key); this thread only
         self._to_watch: list[tuple[object, object, Hashable]] = []
         self._round: list[int] = []  # id(sender)s the current round of cancellation polls has still to ask
+        self._round_start = self._round_busy = self._next_round = 0.0  # (seconds of time.monotonic)
         self._cancelled: queue.SimpleQueue[Hashable] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._closing = False
@@ -154,7 +158,6 @@ class _OutboxThread:
 
     # --- the outbox thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
-        last_poll = 0.0
         while True:
             with self._lock:
                 if not (self._messages or self._closing):
@@ -171,9 +174,7 @@ class _OutboxThread:
                 return
             if metrics is not None:
                 self._guard(self._update_metrics, *metrics)
-            if self._round or time.monotonic() - last_poll >= self._poll_s:
-                if not self._round:
-                    last_poll = time.monotonic()
+            if self._round or time.monotonic() >= self._next_round:
                 self._poll_cancelled()
 
     def deliver(self, message: _Message) -> None:
@@ -189,15 +190,23 @@ class _OutboxThread:
 
     def _poll_cancelled(self) -> None:
         """Asks the watched requests of this round (a new round: all of them) whether they were cancelled, until
-        the round ends or a message waits to be sent; the round goes on after it."""
+        the round ends or a message waits to be sent; the round goes on after it. The next round starts `poll_s`
+        after this one did, or later, when this one's questions took more than POLL_SHARE of that time."""
         if not self._round:
-            self._round = list(self._watched)
+            self._round, self._round_start, self._round_busy = list(self._watched), time.monotonic(), 0.0
         while self._round and not self._messages:  # (a list's truth read without the lock: at worst one ask more)
             sender_id = self._round.pop()
             watched = self._watched.get(sender_id)
-            if watched is not None and self._guard(watched[0].is_cancelled):
+            if watched is None:
+                continue
+            asked = time.monotonic()
+            cancelled = self._guard(watched[0].is_cancelled)
+            self._round_busy += time.monotonic() - asked
+            if cancelled:
                 del self._watched[sender_id]
                 self._cancelled.put(watched[1])
+        if not self._round:
+            self._next_round = self._round_start + max(self._poll_s, self._round_busy / POLL_SHARE)
 
     @staticmethod
     def _guard(call, *args, **kwargs):

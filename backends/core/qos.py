@@ -79,14 +79,21 @@ class Ticket:
 
     def key(self, now: float) -> tuple:
         """Sort key, lowest first (see the module's docstring)."""
-        waited = now - self.arrival
-        if self.overdue(now):
-            return (0, self.arrival + self.max_wait_s)
-        return (1, self.rank, self.score - waited / self.max_wait_s)
+        return (0, self.aging_deadline) if self.overdue(now) else (1, *self.fixed_order())
+
+    def fixed_order(self) -> tuple:
+        """The order of tickets not overdue: by class, then by S - waited / max_wait_s, which within a class falls
+        by now / max_wait_s for all alike, so S + arrival / max_wait_s sorts the same at any time (a queue can stay
+        sorted by it: backends/llm/wait_queue.py)."""
+        return (self.rank, self.score + self.arrival / self.max_wait_s)
+
+    @property
+    def aging_deadline(self) -> float:
+        return self.arrival + self.max_wait_s
 
     def overdue(self, now: float) -> bool:
         """It has waited past its class's aging bound: it goes ahead of every class."""
-        return now - self.arrival >= self.max_wait_s
+        return now >= self.aging_deadline
 
     def expired(self, now: float) -> bool:
         return now - self.arrival >= self.timeout_s

@@ -392,9 +392,9 @@ class LLMEngine:
         tokens are (those not at their last token), or prefills waiting prompts, none of which could ride a decode
         step instead (it would have a step of its own anyway)."""
         seqs, config = launched.seqs, self.config
-        none_would_ride = not self.scheduler.waiting or (
-            config.chunk_tokens is None and not config.qos_lower_rides
-            and all(s.num_tokens - s.num_cached > config.prompt_rows for s in self.scheduler.waiting))
+        shortest = self.scheduler.waiting.shortest()
+        none_would_ride = shortest is None or (config.chunk_tokens is None and not config.qos_lower_rides
+                                               and shortest > config.prompt_rows)
         return (self.overlap and self.proposer is None and launched.logits is not None
                 and launched.error is None and not launched.is_prefill and launched.decoding == len(seqs)
                 and none_would_ride and set(self.scheduler.running) == {s for s in seqs if not s.finished}

@@ -5,7 +5,7 @@ the model at once) or a decode (every running sequence adds one token). Short pr
 step instead, a row per token: a step of their own would cost a pass over the weights, and every running sequence
 would wait for it. With `lower_rides`, prompts of a lower QoS class than one running start only so, in chunks. New
 requests join between decode steps as soon as the batch and the KV cache have room. When a decode step needs a block
-and none is free, the sequence that would run last (`policy` order) is preempted: its blocks are freed and it is
+and none is free, the sequence that would run last (QoS order) is preempted: its blocks are freed and it is
 recomputed later. A full batch preempts the same way for a waiting sequence of a higher QoS class
 (backends/core/qos.py). A sequence with LoRA adapters also needs their device slots to be admitted; it holds them
 while it runs, and when none is free, admission waits (in order) like it does for KV blocks.
@@ -13,13 +13,12 @@ while it runs, and when none is free, admission waits (in order) like it does fo
 from __future__ import annotations
 
 import time
-from collections import deque
-
 from typing import TYPE_CHECKING
 
 from backends.core.qos import LowerShare
 from backends.llm.kv_cache import BlockManager
 from backends.llm.sequence import Sequence, Status
+from backends.llm.wait_queue import WaitQueue
 
 if TYPE_CHECKING:
     from backends.llm.adapter_cache import AdapterCache
@@ -28,16 +27,19 @@ EXPECTED_S = 10.0  # a QoS class added within this long may come again any momen
 
 
 def qos_order(seq: Sequence, now: float) -> tuple:
-    """Scheduling order, lowest first: the QoS ticket's (backends/core/qos.py), then arrival."""
+    """Scheduling order, lowest first: the QoS ticket's (backends/core/qos.py), then arrival (the waiting queue
+    keeps it too, backends/llm/wait_queue.py)."""
     return (*seq.ticket.key(now), seq.seq_id)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, policy=qos_order,
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int,
                  chunk_tokens: int | None = None, adapters: AdapterCache | None = None,
                  lower_share: float = 1.0, lower_tokens: int | None = None, prompt_rows: int = 0,
                  lower_rides: bool = False, max_rows: int | None = None, lower_step_s: float = 0.0):
-        self.blocks, self.max_batch, self.max_prefill_tokens, self.policy = blocks, max_batch, max_prefill_tokens, policy
+        self.blocks, self.max_batch, self.max_prefill_tokens = blocks, max_batch, max_prefill_tokens
+        self.policy = qos_order  # the running sequences' order: who decodes first, who is preempted (waiting ones
+        # are in QoS order: WaitQueue)
         # decode steps of at most `max_rows` rows take up to `prompt_rows` prompt tokens (whole prompts, and with
         # `lower_rides` chunks of lower-class ones, see `_prefill`)
         self.prompt_rows, self.lower_rides, self.max_rows = prompt_rows, lower_rides, max_rows or max_batch
@@ -50,12 +52,12 @@ class Scheduler:
         self.prefill_token_s: float | None = None  # seconds a prompt token took in recent prefill steps (moving mean)
         self.lower_step = False  # the step scheduled last started lower-class prompts beside a higher class
         self.added_at: dict[int, float] = {}  # QoS rank -> when a sequence of it was last added
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Sequence] = []
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
         self.added_at[seq.ticket.rank] = time.monotonic()
 
     @property
@@ -86,7 +88,7 @@ class Scheduler:
         return decode + prefill, bool(prefill)
 
     def _prefill(self, budget: int, chunked: bool, riding: bool = False) -> list[Sequence]:
-        """Sequences part-way through their prompt first, then waiting ones admitted in policy order (shared prefix
+        """Sequences part-way through their prompt first, then waiting ones admitted in QoS order (shared prefix
         blocks and new ones), while the token budget lasts; a chunked step cuts the last prompt at the budget, an
         unchunked one runs a longer prompt whole when it comes first. `riding`: the prompts for a decode step's
         spare rows, whole when they fit the budget; the order stops at one that does not, or that has image features.
@@ -106,7 +108,8 @@ class Scheduler:
         top = min((s.ticket.rank for s in self.running), default=None)
         expected = min((rank for rank, at in self.added_at.items() if self.now - at < EXPECTED_S), default=None)
         chosen, capped = [], False
-        for seq in [*partial, *sorted(self.waiting, key=self.order)]:
+        # (each pass takes the sequence or stops, and at most max_batch are admitted: the head is enough)
+        for seq in [*partial, *self.waiting.head(self.max_batch + 1, self.now)]:
             lower = self._below(seq, top)
             rides_lower = lower and self.lower_rides and self.prompt_rows > 0 and seq.embeds is None
             if rides_lower and not riding:
@@ -182,7 +185,7 @@ class Scheduler:
 
     def _decode(self) -> list[Sequence]:
         """The running sequences that have all but their newest token cached, each given room for it; when the pool
-        runs dry, the sequences last in policy order are preempted."""
+        runs dry, the sequences last in QoS order are preempted."""
         self.running.sort(key=self.order)
         decode, kept = [], []
         while self.running:
@@ -203,7 +206,7 @@ class Scheduler:
 
     def expired(self, now: float) -> list[Sequence]:
         """Waiting sequences that never started and have waited past their QoS timeout."""
-        return [s for s in self.waiting if not s.ticket.started and s.ticket.expired(now)]
+        return self.waiting.expired(now)
 
     def _take_slots(self, seq: Sequence) -> bool:
         if not seq.lora:
@@ -223,7 +226,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.add(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free the sequence's blocks now (finished, stopped or cancelled) and drop it from the queues."""

@@ -13,6 +13,7 @@ from backends.llm.detokenizer import pending_text
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.runner import ModelRunner
 from backends.llm.sampling import SamplingParams
+from backends.llm.wait_queue import WaitQueue
 from build_engines.checkpoints import tiny_checkpoint
 from tests.conftest import ROOT
 from tests.unit.greedy import transformers_greedy
@@ -163,6 +164,7 @@ def test_decode_steps_launched_ahead_of_their_tokens_keep_every_token(checkpoint
     ahead._taken = lambda after, seqs: taken.append(len(seqs)) or real_taken(after, seqs)
     turned = ahead.scheduler.policy
     ahead.scheduler.policy = lambda seq, now: tuple(-v for v in turned(seq, now)[-1:])  # newest first
+    ahead.scheduler.waiting = WaitQueue(order=lambda seq: (-seq.seq_id,))
 
     def run(engine, eos_ids, min_tokens, **sampling):
         engine.eos_ids = eos_ids

@@ -4,7 +4,7 @@ after what is queued follows every thread's earlier responses."""
 import threading
 import time
 
-from backends.core.outbox import Outbox, _Message, merge_deltas
+from backends.core.outbox import POLL_SHARE, Outbox, _Message, merge_deltas
 
 FINAL = 1
 
@@ -99,6 +99,26 @@ def test_a_round_of_cancellation_polls_gives_way_to_responses():
     assert time.monotonic() - start < 0.05 and sum(r.polls for r in requests) < 90
     requests[0].cancelled = True
     wait_for(lambda: box.cancelled() == [0])
+    box.close()
+
+
+def test_slow_rounds_of_polls_are_spaced_to_their_share_of_the_thread():
+    """20 watched requests, each ask 2 ms: back to back, rounds of 40 ms would ask about 500 times in a second; spaced
+    to POLL_SHARE of the time they ask about a quarter of that, and a cancellation is still reported."""
+    class SlowRequest(Request):
+        def is_cancelled(self):
+            time.sleep(0.002)
+            return super().is_cancelled()
+
+    box, requests = outbox(), [SlowRequest() for _ in range(20)]
+    for i, request in enumerate(requests):
+        box.watch(Sender(), request, i)
+    wait_for(lambda: requests[0].polls >= 1)
+    time.sleep(1.0)
+    asks = sum(r.polls for r in requests)
+    assert 60 <= asks <= 60 + 500 * POLL_SHARE, asks  # (at least 3 rounds: at most ~0.2 s apart)
+    requests[7].cancelled = True
+    wait_for(lambda: box.cancelled() == [7])
     box.close()
 
 

@@ -95,8 +95,12 @@ class Ticket:
         """It has waited past its class's aging bound: it goes ahead of every class."""
         return now >= self.aging_deadline
 
+    @property
+    def timeout_deadline(self) -> float:
+        return self.arrival + self.timeout_s
+
     def expired(self, now: float) -> bool:
-        return now - self.arrival >= self.timeout_s
+        return now >= self.timeout_deadline
 
     def time_out(self, now: float) -> Unavailable:
         """It waited past its timeout without starting: counted as refused; the error to give its client."""

@@ -40,8 +40,9 @@ class WaitQueue:
     def __init__(self, order: Callable[[Sequence], tuple] = lambda s: s.ticket.fixed_order()):
         self._order = _SortedBy(order)
         self._deadline = _SortedBy(lambda s: s.ticket.aging_deadline)
-        self._timeout = _SortedBy(lambda s: s.ticket.arrival + s.ticket.timeout_s)
+        self._timeout = _SortedBy(lambda s: s.ticket.timeout_deadline)
         self._length = _SortedBy(lambda s: s.num_tokens - s.num_cached)  # (num_cached is 0 while it waits)
+        self._lists = (self._order, self._deadline, self._timeout, self._length)
         self._entries: dict[Sequence, list[tuple]] = {}  # what each list holds of it, to find it there again
 
     def add(self, seq: Sequence) -> None:
@@ -50,10 +51,6 @@ class WaitQueue:
     def remove(self, seq: Sequence) -> None:
         for sorted_by, entry in zip(self._lists, self._entries.pop(seq)):
             sorted_by.remove(entry)
-
-    @property
-    def _lists(self) -> tuple[_SortedBy, ...]:
-        return self._order, self._deadline, self._timeout, self._length
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self._entries

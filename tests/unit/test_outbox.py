@@ -33,6 +33,14 @@ class Request:
         return self.cancelled
 
 
+class SlowRequest(Request):
+    """Each ask 2 ms: an IPC round trip under load."""
+
+    def is_cancelled(self):
+        time.sleep(0.002)
+        return super().is_cancelled()
+
+
 def outbox(**kwargs) -> Outbox:
     return Outbox(lambda text, finish_reason: ("text", text) + ((finish_reason,) if finish_reason else ()), FINAL, lambda gauges, totals: None, poll_s=0.001, **kwargs)
 
@@ -84,11 +92,6 @@ def test_cancellation_is_reported_once_and_finished_streams_are_no_longer_polled
 def test_a_round_of_cancellation_polls_gives_way_to_responses():
     """100 watched requests, each ask 2 ms (an IPC round trip under load): a round takes 0.2 s, yet a response
     queued during it leaves at once; the round then goes on, and a cancellation in it is still reported."""
-    class SlowRequest(Request):
-        def is_cancelled(self):
-            time.sleep(0.002)
-            return super().is_cancelled()
-
     box, requests = outbox(), [SlowRequest() for _ in range(100)]
     for i, request in enumerate(requests):
         box.watch(Sender(), request, i)
@@ -105,11 +108,6 @@ def test_a_round_of_cancellation_polls_gives_way_to_responses():
 def test_slow_rounds_of_polls_are_spaced_to_their_share_of_the_thread():
     """20 watched requests, each ask 2 ms: back to back, rounds of 40 ms would ask about 500 times in a second; spaced
     to POLL_SHARE of the time they ask about a quarter of that, and a cancellation is still reported."""
-    class SlowRequest(Request):
-        def is_cancelled(self):
-            time.sleep(0.002)
-            return super().is_cancelled()
-
     box, requests = outbox(), [SlowRequest() for _ in range(20)]
     for i, request in enumerate(requests):
         box.watch(Sender(), request, i)

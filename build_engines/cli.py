@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fp8-rounding", choices=["gptq", "nearest"],
                         help="with --precision fp8: GPTQ's error-compensating rounding over the calibration requests "
                         "(the default), or each weight to its nearest E4M3 value (no calibration; faster to build)")
+    parser.add_argument("--fp8-lm-head", action="store_true",
+                        help="with --precision fp8: the LM head in E4M3 too, per channel and rounded as the rest "
+                        "(llm-compressor's FP8 recipes leave it in bf16; perf.fp8_quality measures both)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="with --precision fp8: fp8 stores keys and values in E4M3 with calibrated per-layer "
                         "scales (twice the tokens in the same KV memory)")
@@ -122,7 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.precision == "fp8" and args.model != "llm":
         parser.error("--precision fp8 is for llm (its engine has FP8 linear layers)")
     fp8_options = {"--fp8-activations": args.fp8_activations, "--fp8-rounding": args.fp8_rounding,
-                   "--kv-cache-dtype fp8": args.kv_cache_dtype == "fp8", "--calibration": args.calibration}
+                   "--fp8-lm-head": args.fp8_lm_head, "--kv-cache-dtype fp8": args.kv_cache_dtype == "fp8", "--calibration": args.calibration}
     if args.precision != "fp8" and any(fp8_options.values()):
         parser.error(f"{', '.join(k for k, v in fp8_options.items() if v)}: only with --precision fp8")
     args.fp8_activations, args.fp8_rounding = args.fp8_activations or "none", args.fp8_rounding or "gptq"
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.execution_env, args.prepare_threads, args.force, args.name, args.overrides,
                             args.calibration, args.fp8_activations, args.kv_cache_dtype, args.fp8_rounding,
                             args.priority_levels, args.ensemble, args.preprocess_instances, args.max_queue_size,
-                            args.draft)
+                            args.draft, args.fp8_lm_head)
         try:
             FAMILIES[family](opts)
         except (RuntimeError, ValueError) as exc:  # unavailable runtime, failed verification, bad parameter: one line

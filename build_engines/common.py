@@ -62,6 +62,7 @@ class BuildOptions:
     preprocess_instances: int = 2  # instances of an ensemble's preprocessing model (CPU ones unless on the device)
     max_queue_size: int | None = None  # Triton-batched models: requests waiting at most (None: unbounded)
     draft: Path | None = None  # llm: a draft model's checkpoint for speculative decoding (placed as <version>/draft)
+    fp8_lm_head: bool = False  # fp8: the LM head in E4M3 too (llm-compressor's recipes leave it in bf16)
 
     def model_name(self, default: str) -> str:
         return self.name or default

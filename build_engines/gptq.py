@@ -53,9 +53,10 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor,
 @torch.inference_mode()
 def gptq_weights(fp8_checkpoint: Path, float_checkpoint: Path, prompts: list[list[int]], damp: float = 0.01
                  ) -> dict[str, torch.Tensor]:
-    """{checkpoint name: E4M3 weight} for every decoder projection of `fp8_checkpoint` (whose scales stay), rounded
-    by `gptq_round` from `float_checkpoint`'s weights, with Hessians from `prompts` (token ids) run through the FP8
-    model as it is being rounded. Fused projections come back split into the checkpoint's own names."""
+    """{checkpoint name: E4M3 weight} for every decoder projection of `fp8_checkpoint` (whose scales stay), and its
+    LM head where that is FP8, rounded by `gptq_round` from `float_checkpoint`'s weights, with Hessians from `prompts`
+    (token ids) run through the FP8 model as it is being rounded. Fused projections come back split into the
+    checkpoint's own names."""
     from backends.llm.model import FUSED, _shard_sizes, load_model
     from backends.llm.scoring import LayerStates
 
@@ -63,24 +64,33 @@ def gptq_weights(fp8_checkpoint: Path, float_checkpoint: Path, prompts: list[lis
     reference = load_model(float_checkpoint, torch.float32, "cpu")
     states = LayerStates(model, prompts)
     out = {}
+
+    def rounded(linear: Fp8Linear, weight: torch.Tensor, run) -> torch.Tensor:
+        """`weight` rounded for `linear`, with the Hessian of the inputs `linear` sees while `run()` runs."""
+        hessian = torch.zeros(linear.in_features, linear.in_features, dtype=torch.float64)
+
+        def accumulate(module: Fp8Linear, args: tuple) -> None:
+            x = module.computed_input(args[0]).double()
+            hessian.add_(x.T @ x)
+
+        hook = linear.register_forward_pre_hook(accumulate)
+        run()
+        hook.remove()
+        linear.weight.data = gptq_round(weight.float(), hessian, linear.weight_scale, damp)
+        return linear.weight.data
+
     for i, layer in enumerate(model.layers):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             linear: Fp8Linear = layer.get_submodule(name)
-            hessian = torch.zeros(linear.in_features, linear.in_features, dtype=torch.float64)
-
-            def accumulate(module: Fp8Linear, args: tuple) -> None:
-                x = module.computed_input(args[0]).double()
-                hessian.add_(x.T @ x)
-
-            hook = linear.register_forward_pre_hook(accumulate)
-            states.run(i)
-            hook.remove()
-            weight = reference.layers[i].get_submodule(name).weight.float()
-            linear.weight.data = gptq_round(weight, hessian, linear.weight_scale, damp)
+            weight = reference.layers[i].get_submodule(name).weight
+            rounded(linear, weight, lambda: states.run(i))
             parts = name.split(".")
             shards = [k for k, (fused, _) in FUSED.items() if fused == parts[1]] or [parts[1]]
             sizes = _shard_sizes(model.args, parts[1], weight.shape[0]) if len(shards) > 1 else [weight.shape[0]]
             for shard, rows in zip(shards, linear.weight.data.split(sizes)):
                 out[f"model.layers.{i}.{parts[0]}.{shard}.weight"] = rows.clone()
         states.advance(i)
+    if isinstance(model.lm_head, Fp8Linear):  # its inputs: the final norm of what the last layer gave
+        out["lm_head.weight"] = rounded(model.lm_head, reference.lm_head.weight,
+                                        lambda: [model.logits(model.norm(item[0])) for item in states.items]).clone()
     return out

@@ -41,13 +41,15 @@ def build_llm(opts: BuildOptions) -> None:
     progress = Progress(name, 4 if opts.draft else 3)
     version_dir = opts.repository / name / "1"
     if fp8:
-        scheme = Fp8Scheme("channel", opts.fp8_activations, kv_cache=opts.kv_cache_dtype == "fp8")
+        scheme = Fp8Scheme("channel", opts.fp8_activations, () if opts.fp8_lm_head else ("lm_head",),
+                           opts.kv_cache_dtype == "fp8")
         needs_prompts = scheme.calibrated or opts.fp8_rounding == "gptq"
         prompts = calibration_prompts(opts.checkpoint, opts.calibration, opts.device) if needs_prompts else None
         scales = calibrate(opts.checkpoint, prompts) if scheme.calibrated else None
         activations = {"token": "per-token", "tensor": "calibrated static", "none": "bf16"}[scheme.activations]
         with progress.step(f"quantizing {opts.checkpoint} to FP8 E4M3 (per-channel weights rounded "
                            f"{'by GPTQ' if opts.fp8_rounding == 'gptq' else 'to nearest'}, {activations} activations"
+                           f"{', FP8 LM head' if opts.fp8_lm_head else ''}"
                            f"{', FP8 KV cache' if scheme.kv_cache else ''})"):
             write_fp8_checkpoint(opts.checkpoint, version_dir, scheme, scales,
                                  prompts if opts.fp8_rounding == "gptq" else None)

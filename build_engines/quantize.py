@@ -1,6 +1,6 @@
 """FP8 checkpoints from ordinary ones, in compressed-tensors' float-quantized layout (what llm-compressor writes and
-vLLM and our engine read): every decoder projection's weight in E4M3 with its scale; embeddings, norms and the LM
-head as they were."""
+vLLM and our engine read): every decoder projection's weight in E4M3 with its scale, and the LM head's too where the
+scheme quantizes it (`ignore` without "lm_head"); embeddings and norms as they were."""
 from __future__ import annotations
 
 import json
@@ -38,6 +38,7 @@ def calibrate(source: Path, prompts: list[list[int]]) -> dict[str, float]:
     def track(key: str, *values: torch.Tensor) -> None:
         amax[key] = max(amax.get(key, 0.0), *(v.abs().max().item() for v in values))
 
+    model.lm_head.register_forward_pre_hook(lambda _, args: track("lm_head", args[0]))
     for i, layer in enumerate(model.layers):
         for fused in FUSED_PARTS:
             layer.get_submodule(fused).register_forward_pre_hook(
@@ -49,6 +50,9 @@ def calibrate(source: Path, prompts: list[list[int]]) -> dict[str, float]:
         sequence_logits(model, ids)
     scales = {}
     for key, value in amax.items():
+        if key == "lm_head":
+            scales["lm_head"] = value / FP8_MAX
+            continue
         index, part = key.split(".", 1)
         names = [f"self_attn.{part}_scale"] if part in ("k", "v") else FUSED_PARTS[part]
         scales.update({f"model.layers.{index}.{name}": value / FP8_MAX for name in names})
@@ -63,16 +67,28 @@ def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Sc
     import torch
 
     static = lambda name: torch.tensor([scales[name]], dtype=torch.float32)  # noqa: E731
+    head = scheme.quantizes("lm_head")
+    embedding, head_written = None, False
+
+    def quantized(layer: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        weight, scale = quantize_weight(tensor.detach(), scheme.weights)
+        yield layer + ".weight", weight
+        yield layer + ".weight_scale", scale
+        if scheme.activations == "tensor":
+            yield layer + ".input_scale", static(layer.removeprefix("language_model."))
+
     for name, tensor in tensors:
         if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
-            layer = name.removesuffix(".weight")
-            weight, scale = quantize_weight(tensor.detach(), scheme.weights)
-            yield name, weight
-            yield layer + ".weight_scale", scale
-            if scheme.activations == "tensor":
-                yield layer + ".input_scale", static(layer)
+            yield from quantized(name.removesuffix(".weight"), tensor)
+        elif head and name.endswith("lm_head.weight"):
+            head_written = True
+            yield from quantized(name.removesuffix(".weight"), tensor)
         else:
+            if name.endswith("embed_tokens.weight"):
+                embedding = name, tensor
             yield name, tensor.contiguous()
+    if head and not head_written and embedding:  # tied embeddings: the head gets an FP8 copy of its own
+        yield from quantized(embedding[0].replace("model.embed_tokens.weight", "lm_head"), embedding[1])
     if scheme.kv_cache:
         yield from ((name, static(name)) for name in scales if name.endswith(("k_scale", "v_scale")))
 
@@ -113,4 +129,7 @@ def write_fp8_metadata(source: Path, out: Path, scheme: Fp8Scheme) -> None:
             shutil.copy2(file, out / file.name)
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = scheme.to_config()
+    if scheme.quantizes("lm_head"):  # the FP8 head is a tensor of its own, no longer the embeddings
+        for part in (config, config.get("text_config") or {}):
+            part["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

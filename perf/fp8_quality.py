@@ -36,6 +36,9 @@ SCHEMES = {  # name -> (scheme, weights rounded by GPTQ)
     "FP8 weights only, rounded by GPTQ (the default of build_engines --precision fp8)":
         (Fp8Scheme("channel", "none"), True),
     "FP8 weights only, rounded to nearest": (Fp8Scheme("channel", "none"), False),
+    "FP8 weights only and the LM head in FP8 too, rounded by GPTQ (--fp8-lm-head)":
+        (Fp8Scheme("channel", "none", ignore=()), True),
+    "FP8 weights only and the LM head in FP8 too, rounded to nearest": (Fp8Scheme("channel", "none", ignore=()), False),
     "per-channel weights, dynamic per-token activations (llm-compressor's FP8_DYNAMIC)":
         (Fp8Scheme("channel", "token"), False),
     "the same, weights rounded by GPTQ": (Fp8Scheme("channel", "token"), True),
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--ablation", action="store_true", help="also the default scheme with each kind of "
                         "projection in float, and with FP8 weights only (where the error comes from)")
+    parser.add_argument("--schemes", nargs="*", help="only the schemes whose names contain one of these")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -147,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                  for start, ids in evaluation]
     del reference_model
     scales = calibrate(checkpoint, calibration)
-    rows = []
+    rows, diagnostics = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, (scheme, gptq)) in enumerate(SCHEMES.items()):
+            if args.schemes and not any(part in name for part in args.schemes):
+                continue
             out = Path(tmp) / f"scheme-{i}"
             write_fp8_checkpoint(checkpoint, out, scheme, scales if scheme.calibrated else None,
                                  calibration if gptq else None)
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             print(rows[-1], flush=True)
             if args.ablation and scheme == Fp8Scheme("channel", "token") and not gptq:  # W8A8's error, by part
                 diagnostics = ablation(model, load_model(checkpoint, DTYPES[dtype], device), reference, evaluation)
-        rows += diagnostics if args.ablation else []
+        rows += diagnostics
     positions = sum(len(ids) - start for start, ids in evaluation)
     how = "on the CPU (the FP8 products computed from the dequantized operands, the arithmetic torch._scaled_mm does " \
         "on Hopper)" if device == "cpu" else "on CUDA (torch._scaled_mm where the activations are bf16)"
@@ -177,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
              "Diagnostics (--ablation): the per-token W8A8 scheme with one kind of projection in float, with FP8 "
              "weights and unquantized inputs, and with float weights and inputs quantized per token.",
              f"Command: `python -m perf.fp8_quality --prompts {args.prompts} --tokens {args.tokens}"
-             f"{' --ablation' if args.ablation else ''}`."]
+             f"{' --ablation' if args.ablation else ''}"
+             f"{''.join(f' --schemes {part!r}' for part in args.schemes or ())}`."]
     table = write_table(args.results / args.host, "fp8-quality", ["scheme", f"mean KL({dtype} || fp8)", "KL p99",
                                                                     "top-1 agreement"], rows,
                         hardware_line("n/a (in-process)"), notes)

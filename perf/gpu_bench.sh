@@ -52,6 +52,7 @@
 #   more arguments, e.g. "--rounds 3 --requests-per-stream 16" for rounds long enough to settle the ratios);
 #   "qos": perf.qos, QoS beside first come first served at light / 1x / 2x capacity, for each of QOS_FAMILIES
 #   ("llm vlm"): llm on Llama-3-8B shapes, vlm on LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes (random bf16);
+#   QOS_VLM_KV_MB: the vlm engines' KV cache each (24000; 12000 lets both fit an H100's 80 GB);
 #   QOS_ARGS: more perf.qos arguments, e.g. "--loads 0.25 2 --duration-s 10 --variant rides=--qos-lower-rides=true");
 #   "ensembles": perf.ensemble_bench for each of MODELS, one run, ViT-B/16-224 fp16 / CLIP ViT-L/14-336 bf16 as in
 #   "images", ENSEMBLE_VARIANTS ("single ensemble device") side by side: single, the model alone; ensemble, CPU
@@ -295,7 +296,7 @@ if [[ " ${SCENARIOS:-images} " == *" qos "* ]]; then
   for family in ${QOS_FAMILIES:-llm vlm}; do
     # KV cache per model (three or more 8B models share the card): the llm mix needs under 300 tokens a request
     # (4 GB holds 100 such, 64 run at once), the vlm mix ~3,000 (a 4K photo's tiles): 3 x (16 + 24 GB), an H200 only
-    if [ "$family" = llm ]; then preset=llama-3-8b kv=4000; else preset=llava-next-8b kv=24000; fi
+    if [ "$family" = llm ]; then preset=llama-3-8b kv=4000; else preset=llava-next-8b kv=${QOS_VLM_KV_MB:-24000}; fi
     "${build[@]}" "$family" --random-init "$preset" --precision bf16 --device cuda
     # shellcheck disable=SC2086
     "$py" -m perf.qos --families "$family" --checkpoint "$family=.checkpoints/random-$preset" --device cuda \

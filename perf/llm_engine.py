@@ -45,7 +45,8 @@ OPTIONS = {"overlap",  # overlap_steps on
            "w8a8gemm",  # W8A8 steps of 2-256 rows by fp8_gemm.py on FP8 inputs, not cuBLAS (fp8.W8A8_GEMM_MAX_ROWS)
            "whole",  # decode graphs captured whole, not in pieces (runner.GRAPH_PIECES)
            "ramp",  # decode graphs in pieces of 1, 2, 4, ... layers (runner.GRAPH_RAMP)
-           "pdl"}  # every GEMV launched with PDL, not only those after a prepare kernel (gemv.PDL_UNPREPARED)
+           "pdl",  # every GEMV launched with PDL, not only those after a prepare kernel (gemv.PDL_UNPREPARED)
+           "lmhead"}  # FP8 variants: the LM head in FP8 too (build_engines --fp8-lm-head)
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                   rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
@@ -207,7 +208,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
             engine = LLMEngine(checkpoint, config, weights)
         else:  # quantized on the device as the engine loads them (part of its ready time)
             folder = Path(tempfile.mkdtemp(prefix="llm-fp8-"))
-            scheme = Fp8Scheme(activations="none" if precision == "fp8w" else "token")
+            scheme = Fp8Scheme(activations="none" if precision == "fp8w" else "token",
+                               ignore=() if "lmhead" in options else ("lm_head",))
             write_fp8_metadata(Path(checkpoint), folder, scheme)
             engine = LLMEngine(folder, config, quantized_tensors(weights, scheme))
         sync(device)

@@ -196,10 +196,12 @@ def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm
     (seq,) = engine.generate(["a photo of the cat"], SamplingParams(max_tokens=4))
     assert len(seq.output_ids) == 4
     assert build(["llm", "--checkpoint", str(llm_checkpoint), "--precision", "fp8", "--fp8-rounding", "nearest",
-                  "--fp8-activations", "token", "--repository", str(tmp_path), "--name", "llm_nearest"]) == 0
+                  "--fp8-activations", "token", "--fp8-lm-head", "--repository", str(tmp_path), "--name",
+                  "llm_nearest"]) == 0
     nearest = LLMEngine(tmp_path / "llm_nearest" / "1", EngineConfig(dtype="fp32", device="cpu",
                                                                       kv_cache_memory_mb=8))
     assert nearest.model.layers[0].mlp.down_proj.activations == "token"
+    assert isinstance(nearest.model.lm_head, Fp8Linear) and not isinstance(engine.model.lm_head, Fp8Linear)
     rounded = dict(checkpoint_tensors(tmp_path / "llm" / "1"))
     to_nearest = dict(checkpoint_tensors(tmp_path / "llm_nearest" / "1"))
     name = "model.layers.0.mlp.down_proj"
@@ -220,6 +222,8 @@ def test_fp8_build_writes_a_quantized_checkpoint_the_engine_serves(tmp_path, llm
                "--calibration", str(tmp_path / "prompts.txt")])
     with pytest.raises(SystemExit):  # FP8 options without FP8
         build(["llm", "--checkpoint", str(llm_checkpoint), "--fp8-rounding", "gptq"])
+    with pytest.raises(SystemExit):
+        build(["llm", "--checkpoint", str(llm_checkpoint), "--fp8-lm-head"])
     with pytest.raises(SystemExit):
         build(["vit", "--checkpoint", str(llm_checkpoint), "--precision", "fp8"])
 

@@ -155,6 +155,24 @@ def test_a_weights_only_checkpoint_gives_the_logits_of_its_dequantized_weights(t
                                                                        1, 19, 23, 8], quantized_inputs=False)
 
 
+@pytest.mark.parametrize("model", ["tiny llm", "smollm2"])
+def test_an_fp8_lm_head_loads_as_its_dequantized_weights(model, smollm2_checkpoint, tmp_path):
+    """--fp8-lm-head (`ignore` empty): the head's weight in E4M3 with its scales; SmolLM2 ties it to the embeddings,
+    which stay as they were while the head gets an FP8 tensor of its own (config: no longer tied)."""
+    source = smollm2_checkpoint if model == "smollm2" else tiny_checkpoint("llm", ROOT / ".checkpoints")
+    out = tmp_path / "fp8"
+    write_fp8_checkpoint(source, out, Fp8Scheme("channel", "none", ignore=()))
+    tensors = dict(checkpoint_tensors(out))
+    assert tensors["lm_head.weight"].dtype == FP8 and tensors["lm_head.weight_scale"].shape == (
+        tensors["lm_head.weight"].shape[0], 1)
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float32
+    assert not json.loads((out / "config.json").read_text())["tie_word_embeddings"]
+    assert isinstance(load_model(out, torch.float32, "cpu").lm_head, Fp8Linear)
+    (tmp_path / "reference").mkdir()
+    assert_logits_of_dequantized_weights(out, tmp_path / "reference", [5, 17, 3, 42, 8, 11, 9, 30, 2, 7, 12, 40, 6, 3,
+                                                                       1, 19, 23, 8], quantized_inputs=False)
+
+
 LLM_COMPRESSOR_FP8 = ROOT / ".checkpoints" / "smollm2-fp8-llmcompressor"  # `make fp8-reference` writes it
 
 
@@ -208,6 +226,9 @@ def test_static_scales_from_calibration_load_and_bound_the_inputs(tmp_path):
     assert torch.isfinite(sequence_logits(model, prompts[1])).all()
     with pytest.raises(ValueError, match="calibration"):
         write_fp8_checkpoint(source, tmp_path / "x", Fp8Scheme("channel", "tensor"))
+    write_fp8_checkpoint(source, tmp_path / "head", Fp8Scheme("tensor", "tensor", ignore=()), scales)
+    head = load_model(tmp_path / "head", torch.float32, "cpu").lm_head  # its input: the final norm's output
+    assert head.input_scale.item() == pytest.approx(scales["lm_head"]) and scales["lm_head"] > 0
 
 
 def test_fp8_kv_cache_stores_e4m3_at_the_calibrated_scales(tmp_path, monkeypatch):

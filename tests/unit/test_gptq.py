@@ -1,9 +1,10 @@
 """build_engines/gptq.py: FP8 weights rounded with error feedback, against nearest rounding with the same scales."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from backends.llm.fp8 import FP8, quantize_weight
+from backends.llm.fp8 import FP8, Fp8Scheme, quantize_weight
 from backends.llm.model import checkpoint_tensors, load_model
 from backends.llm.scoring import sequence_logits
 from build_engines.checkpoints import tiny_checkpoint
@@ -46,14 +47,16 @@ def test_inputs_that_never_occur_do_not_break_it():
     assert torch.isfinite(rounded.float()).all()
 
 
-def test_a_gptq_checkpoint_keeps_the_layout_and_scales_and_lowers_the_logit_error(tmp_path):
+@pytest.mark.parametrize("scheme", [Fp8Scheme(), Fp8Scheme(ignore=())], ids=["bf16 head", "fp8 head"])
+def test_a_gptq_checkpoint_keeps_the_layout_and_scales_and_lowers_the_logit_error(scheme, tmp_path):
     """End to end on the tiny model: the same tensors, dtypes and scales as the nearest-rounded checkpoint, other
-    E4M3 values, and logits closer to the float model's on the calibration prompts."""
+    E4M3 values, and logits closer to the float model's on the calibration prompts; with the LM head in FP8 too
+    (--fp8-lm-head), the head rounded as well."""
     source = tiny_checkpoint("llm", ROOT / ".checkpoints")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 200, (40,), generator=g).tolist() for _ in range(6)]
-    write_fp8_checkpoint(source, tmp_path / "nearest")
-    write_fp8_checkpoint(source, tmp_path / "gptq", gptq_prompts=prompts)
+    write_fp8_checkpoint(source, tmp_path / "nearest", scheme)
+    write_fp8_checkpoint(source, tmp_path / "gptq", scheme, gptq_prompts=prompts)
     nearest, gptq = dict(checkpoint_tensors(tmp_path / "nearest")), dict(checkpoint_tensors(tmp_path / "gptq"))
     assert nearest.keys() == gptq.keys()
     assert all(gptq[n].dtype == t.dtype for n, t in nearest.items())
@@ -61,6 +64,7 @@ def test_a_gptq_checkpoint_keeps_the_layout_and_scales_and_lowers_the_logit_erro
     changed = [n for n, t in nearest.items() if t.dtype == FP8 and not torch.equal(gptq[n].view(torch.uint8),
                                                                                      t.view(torch.uint8))]
     assert len(changed) == sum(t.dtype == FP8 for t in nearest.values())  # every projection's rounding moved
+    assert ("lm_head.weight" in changed) == scheme.quantizes("lm_head")
     models = {name: load_model(path, torch.float32, "cpu")
               for name, path in (("float", source), ("nearest", tmp_path / "nearest"), ("gptq", tmp_path / "gptq"))}
     error = {name: sum(float((sequence_logits(m, ids) - sequence_logits(models["float"], ids)).square().sum())

@@ -147,7 +147,7 @@ def test_mismatched_operands_are_refused():
         gemv(x, w, scale, gated=True, residual=torch.zeros(x.shape[0], 24, device=DEVICE))
 
 
-@pytest.mark.parametrize("fp8", [None, "token", "none"])
+@pytest.mark.parametrize("fp8", [None, "token", "none", "none+head"])
 def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8, tmp_path, monkeypatch):
     """The engine with its one-token steps routed through the kernel (norms, SiLU(gate) * up and residuals fused; the LM
     head too) decodes what the unfused model decodes, in fp32: on the CPU in the interpreter, on a GPU inside the
@@ -161,20 +161,25 @@ def test_one_token_steps_through_the_kernel_decode_the_unfused_models_tokens(fp8
     from tests.conftest import ROOT
 
     checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
-    if fp8:  # FP8 activations per token, or FP8 weights only
-        write_fp8_checkpoint(checkpoint, tmp_path / "fp8", Fp8Scheme("channel", fp8))
+    if fp8:  # FP8 activations per token, or FP8 weights only (+head: the LM head's too, --fp8-lm-head)
+        activations, _, head = fp8.partition("+")
+        write_fp8_checkpoint(checkpoint, tmp_path / "fp8", Fp8Scheme("channel", activations,
+                                                                     () if head else ("lm_head",)))
         checkpoint = tmp_path / "fp8"
     prompts = ["a photo of the cat", "x"]
 
     def decode() -> list[list[int]]:
         engine = LLMEngine(checkpoint, EngineConfig(dtype="fp32", device=DEVICE, kv_cache_memory_mb=8))
-        return [engine.generate([p], SamplingParams(max_tokens=12))[0].output_ids for p in prompts]
+        return [engine.generate([p], SamplingParams(max_tokens=6))[0].output_ids for p in prompts]
 
     unfused = decode()
     calls = []
     monkeypatch.setattr(model, "GEMV_DTYPES", (torch.float32,))
     monkeypatch.setattr(model, "gemv_runs_on", lambda device, fp8: True)
-    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(kw) or gemv(*a, **kw))
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append((a, kw)) or gemv(*a, **kw))
     assert decode() == unfused
-    assert {kw["gated"] for kw in calls} == {True, False} and any(kw["norm"] for kw in calls)
-    assert any(kw["residual"] is not None for kw in calls)
+    assert {kw["gated"] for _, kw in calls} == {True, False} and any(kw["norm"] for _, kw in calls)
+    assert any(kw["residual"] is not None for _, kw in calls)
+    vocab = model.ModelArgs.from_checkpoint(checkpoint).vocab_size
+    heads = {a[1].dtype for a, _ in calls if a[1].shape[0] == vocab}  # the LM head's GEMVs
+    assert heads == ({torch.float8_e4m3fn} if fp8 and fp8.endswith("+head") else {torch.float32})

@@ -71,6 +71,7 @@ class Ticket:
     gate: Admission | None = None  # counts it as queued until it starts or ends
     queued: bool = False
     started: bool = False
+    ended: bool = False
 
     @classmethod
     def untracked(cls) -> Ticket:
@@ -117,6 +118,7 @@ class Ticket:
 
     def end(self) -> None:
         """It ended (finished, cancelled, failed); if it never started, it leaves the queue uncounted."""
+        self.ended = True
         if self.gate is not None:
             self.gate.leave(self, started=False)
 
@@ -233,6 +235,9 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
 
 
+RECHECK_S = 0.05  # QosPool: how often work held back by the lower classes' share is tried again
+
+
 class QosPool:
     """A thread pool that starts queued work in QoS order (each task's ticket, aged when a thread frees up) rather
     than as submitted: a small image of class high does not wait behind 4K photos of class low queued before it.
@@ -241,9 +246,15 @@ class QosPool:
     `ahead` tasks of class c or higher have run without their requests starting (their tickets still queued). Under
     overload the requests that would wait anyway are not decoded early, so the CPU (and the device memory their images
     would hold) stays with the requests being served; the consumer calls `kick` when requests start. With `nice`, its
-    threads run that much nicer than the rest of the process."""
+    threads run that much nicer than the rest of the process.
 
-    def __init__(self, threads: int, name: str, ahead: int | None = None, nice: int = 0):
+    With `lower_share`, while a request of a higher class is in flight (submitted here, not ended), work of lower
+    classes (not overdue) runs one task at a time and in at most that share of the time (`LowerShare`): preparing a
+    4K photo costs far more than its prefill step, so the engine's share alone let the photos' decoding take the CPU
+    (or the GPU) from the higher class's steps."""
+
+    def __init__(self, threads: int, name: str, ahead: int | None = None, nice: int = 0,
+                 lower_share: float | None = None):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=lower_priority, initargs=(nice,))
         self._queued: list[tuple[Ticket, int, Future, Callable, tuple]] = []
         self._lock = threading.Lock()
@@ -251,11 +262,17 @@ class QosPool:
         self.ahead = ahead
         self._ran: list[Ticket] = []  # tickets of the tasks run whose requests have not started
         self._parked = 0  # runs that found no task with room ahead
+        self._share = LowerShare(lower_share) if lower_share else None
+        self._live: list[Ticket] = []  # with a share: tickets submitted whose requests have not ended
+        self._held = 0  # runs whose tasks the share held back: one is tried again by a timer (`_wake`)
+        self._wake: threading.Timer | None = None
 
     def submit(self, ticket: Ticket, fn: Callable, *args) -> Future:
         future: Future = Future()
         with self._lock:
             self._queued.append((ticket, next(self._order), future, fn, args))
+            if self._share is not None:
+                self._live.append(ticket)
         self._pool.submit(self._run_next)  # one run per task; each takes whichever task comes first by then
         return future
 
@@ -276,20 +293,68 @@ class QosPool:
         now = time.monotonic()
         with self._lock:
             ready = [queued for queued in self._queued if self._room(queued[0])]
-            if not ready:
-                self._parked += 1
+            top = self._top_in_flight()
+            allowed = ready
+            if self._share is not None and self._share.closed(now):
+                allowed = [queued for queued in ready if not self._lower(queued[0], top, now)]
+            if not allowed:
+                if ready:
+                    self._held += 1
+                    self._wake_later(now)
+                else:
+                    self._parked += 1
                 return
-            item = min(ready, key=lambda queued: (queued[0].key(now), queued[1]))
+            item = min(allowed, key=lambda queued: (queued[0].key(now), queued[1]))
             self._queued.remove(item)
             if self.ahead is not None:
                 self._ran.append(item[0])
+            lower = self._lower(item[0], top, now)
+            if lower:
+                self._share.open_at = math.inf  # one lower task at a time; `spent` reopens the share
+            elif self._held:  # what held them may be gone (the higher request ended): one more tries
+                self._held -= 1
+                self._pool.submit(self._run_next)
         _, _, future, fn, args = item
-        if not future.set_running_or_notify_cancel():
-            return
         try:
-            future.set_result(fn(*args))
+            if future.set_running_or_notify_cancel():
+                future.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(e)
+        finally:
+            if lower:
+                with self._lock:
+                    end = time.monotonic()
+                    if self._share is not None:  # (None after shutdown)
+                        self._share.spent(end - now, end)
+                    self._wake_later(end)
+
+    def _top_in_flight(self) -> int | None:
+        """(Lock held.) The highest class (lowest rank) of the requests in flight, with a share."""
+        if self._share is None:
+            return None
+        self._live = [t for t in self._live if not t.ended]
+        return min((t.rank for t in self._live), default=None)
+
+    def _lower(self, ticket: Ticket, top: int | None, now: float) -> bool:
+        """Whether the share applies to `ticket`: a request of a higher class is in flight and it is not overdue."""
+        return top is not None and ticket.rank > top and not ticket.overdue(now)
+
+    def _wake_later(self, now: float) -> None:
+        """(Lock held.) One held run tried again when the share opens, or sooner (RECHECK_S): the higher request
+        may end first."""
+        if not self._held or self._wake is not None or self._share is None or self._share.open_at == math.inf:
+            return
+        self._wake = threading.Timer(min(max(0.0, self._share.open_at - now), RECHECK_S), self._retry_held)
+        self._wake.daemon = True
+        self._wake.start()
+
+    def _retry_held(self) -> None:
+        with self._lock:
+            self._wake = None
+            if not self._held:
+                return
+            self._held -= 1
+        self._pool.submit(self._run_next)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """Like ThreadPoolExecutor's; the tasks still queued are cancelled, or else all run (none is left parked)."""
@@ -297,7 +362,7 @@ class QosPool:
             if cancel_futures:
                 for _, _, future, _, _ in self._queued:
                     future.cancel()
-            self.ahead, parked, self._parked = None, self._parked, 0
+            self.ahead, self._share, parked, self._parked, self._held = None, None, self._parked + self._held, 0, 0
         for _ in range(parked):
             self._pool.submit(self._run_next)
         self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)

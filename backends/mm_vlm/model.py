@@ -79,8 +79,10 @@ class TritonPythonModel(LLMBackend):
         self.nvjpeg = self.on_device and device_images.nvjpeg_available(self.engine.device)
         log.info("images prepared %s", f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}"
                  if self.on_device else "on the CPU by Pillow, as transformers' processor")
-        # images decoded in QoS order, at most a batch (and a round of the pool) ahead of the engine
-        self.pool = QosPool(params.prepare_threads, "vlm-image", ahead=params.max_batch + params.prepare_threads)
+        # images decoded in QoS order, at most a batch (and a round of the pool) ahead of the engine, lower classes'
+        # images within the engine's share of the time while a higher class is in flight
+        self.pool = QosPool(params.prepare_threads, "vlm-image", ahead=params.max_batch + params.prepare_threads,
+                            lower_share=params.qos_lower_share)
         self.features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> visual features, LRU
         self.features_lock = threading.Lock()  # read by the image threads, written by the engine loop
 

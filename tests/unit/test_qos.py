@@ -348,6 +348,39 @@ def test_the_pool_runs_work_at_most_ahead_of_its_consumer_by_class():
     assert parked.result(timeout=5) == "at shutdown"
 
 
+def test_the_pools_lower_share_holds_lower_work_while_a_higher_request_is_in_flight():
+    """`lower_share` 0.5: while a high request is in flight, low tasks run one at a time, each followed by as long a
+    pause as it took (so starts at least 0.2 s apart for tasks of 0.1 s); an overdue one runs at once; once the high
+    request ended, low tasks run side by side again."""
+    pool = QosPool(2, "test-share", lower_share=0.5)
+    spans: dict[str, list[float]] = {}
+
+    def task(name: str, seconds: float) -> None:
+        spans[name] = [time.monotonic()]
+        time.sleep(seconds)
+        spans[name].append(time.monotonic())
+
+    try:
+        high = POLICY.ticket("high")
+        pool.submit(high, str, "high").result(timeout=5)  # its request is in flight until it ends
+        held = [pool.submit(POLICY.ticket("low"), task, f"low{i}", 0.1) for i in range(3)]
+        for future in held:
+            future.result(timeout=5)
+        starts = sorted(spans[f"low{i}"][0] for i in range(3))
+        assert all(b - a >= 0.2 for a, b in zip(starts, starts[1:])), starts
+        overdue = POLICY.ticket("low")
+        overdue.arrival -= 100  # past its aging bound: ahead of every class, the share does not apply
+        pool.submit(overdue, task, "overdue", 0.0).result(timeout=5)
+        assert spans["overdue"][0] - spans["low2"][1] < 0.1  # the share was closed for another 0.1 s
+        high.end()
+        free = [pool.submit(POLICY.ticket("low"), task, f"free{i}", 0.3) for i in range(2)]
+        for future in free:
+            future.result(timeout=5)
+        assert max(spans["free0"][0], spans["free1"][0]) < min(spans["free0"][1], spans["free1"][1])  # together
+    finally:
+        pool.shutdown()
+
+
 def test_the_pools_threads_run_at_the_niceness_asked_and_others_keep_theirs():
     """Under our batcher the prepare threads yield the CPU (`prepare_nice`): the thread that admits requests must not
     wait behind image decoding (perf.overload), and only the pool's own threads are lowered."""

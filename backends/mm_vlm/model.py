@@ -82,7 +82,7 @@ class TritonPythonModel(LLMBackend):
         # images decoded in QoS order, at most a batch (and a round of the pool) ahead of the engine, lower classes'
         # images within the engine's share of the time while a higher class is in flight
         self.pool = QosPool(params.prepare_threads, "vlm-image", ahead=params.max_batch + params.prepare_threads,
-                            lower_share=params.qos_lower_share)
+                            lower_share=params.qos_lower_share if params.qos_lower_prepare else None)
         self.features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> visual features, LRU
         self.features_lock = threading.Lock()  # read by the image threads, written by the engine loop
 

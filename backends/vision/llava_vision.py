@@ -31,8 +31,8 @@ class VLMParams(EngineConfig):
     image_cache: int = bounded(8, 0)  # visual features of this many recent images kept on the device (0: off);
     # outside the KV budget: an 8B model's 2,000-token image takes 16 MB
     encode_ahead: int = bounded(4, 1)  # requests of a class or higher admitted (their images encoded) and not started
-    qos_lower_prepare: bool = True  # while a higher class is in flight, lower classes' images are prepared one at a
-    # time within qos_lower_share of the time too (backends.core.qos.QosPool)
+    qos_lower_prepare: bool = False  # while a higher class is in flight, lower classes' images are prepared one at
+    # a time within qos_lower_share of the time too (backends.core.qos.QosPool; off: no gain measured, README QoS)
 
 
 def expand_placeholder(ids: list[int], placeholder_id: int, count: int) -> list[int]:

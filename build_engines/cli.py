@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.precision == "fp8" and args.model != "llm":
         parser.error("--precision fp8 is for llm (its engine has FP8 linear layers)")
     fp8_options = {"--fp8-activations": args.fp8_activations, "--fp8-rounding": args.fp8_rounding,
-                   "--fp8-lm-head": args.fp8_lm_head, "--kv-cache-dtype fp8": args.kv_cache_dtype == "fp8", "--calibration": args.calibration}
+                   "--fp8-lm-head": args.fp8_lm_head, "--kv-cache-dtype fp8": args.kv_cache_dtype == "fp8",
+                   "--calibration": args.calibration}
     if args.precision != "fp8" and any(fp8_options.values()):
         parser.error(f"{', '.join(k for k, v in fp8_options.items() if v)}: only with --precision fp8")
     args.fp8_activations, args.fp8_rounding = args.fp8_activations or "none", args.fp8_rounding or "gptq"

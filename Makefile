@@ -27,7 +27,7 @@ demo: engines     ## start the server, call every model once (and the OpenAI API
 	$(PY) -m client.demo
 
 test: engines fp8-reference  ## the whole suite: unit tests and integration tests against a real tritonserver
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q --durations=25 tests  # servers share the CPU: OpenMP workers must not spin (README, QoS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q --durations=25 tests  # no spinning OpenMP workers (README, QoS)
 
 test-unit: setup fp8-reference
 	$(PY) -m pytest -q tests/unit

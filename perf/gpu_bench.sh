@@ -295,7 +295,8 @@ if [[ " ${SCENARIOS:-images} " == *" qos "* ]]; then
   fi
   for family in ${QOS_FAMILIES:-llm vlm}; do
     # KV cache per model (three or more 8B models share the card): the llm mix needs under 300 tokens a request
-    # (4 GB holds 100 such, 64 run at once), the vlm mix ~3,000 (a 4K photo's tiles): 3 x (16 + 24 GB), an H200 only
+    # (4 GB holds 100 such, 64 run at once), the vlm mix ~3,000 (a 4K photo's tiles): 2 x (16 + 24 GB) fit an H200,
+    # an H100 with QOS_VLM_KV_MB=12000
     if [ "$family" = llm ]; then preset=llama-3-8b kv=4000; else preset=llava-next-8b kv=${QOS_VLM_KV_MB:-24000}; fi
     "${build[@]}" "$family" --random-init "$preset" --precision bf16 --device cuda
     # shellcheck disable=SC2086

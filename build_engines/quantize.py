@@ -84,7 +84,7 @@ def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Sc
             head_written = True
             yield from quantized(name.removesuffix(".weight"), tensor)
         else:
-            if name.endswith("embed_tokens.weight"):
+            if head and name.endswith("embed_tokens.weight"):
                 embedding = name, tensor
             yield name, tensor.contiguous()
     if head and not head_written and embedding:  # tied embeddings: the head gets an FP8 copy of its own

@@ -79,8 +79,8 @@ class TritonPythonModel(LLMBackend):
         self.nvjpeg = self.on_device and device_images.nvjpeg_available(self.engine.device)
         log.info("images prepared %s", f"on {self.engine.device}, decoded by {'nvJPEG' if self.nvjpeg else 'Pillow'}"
                  if self.on_device else "on the CPU by Pillow, as transformers' processor")
-        # images decoded in QoS order, at most a batch (and a round of the pool) ahead of the engine, lower classes'
-        # images within the engine's share of the time while a higher class is in flight
+        # images decoded in QoS order, at most a batch (and a round of the pool) ahead of the engine; with
+        # qos_lower_prepare, lower classes' images within qos_lower_share while a higher class is in flight
         self.pool = QosPool(params.prepare_threads, "vlm-image", ahead=params.max_batch + params.prepare_threads,
                             lower_share=params.qos_lower_share if params.qos_lower_prepare else None)
         self.features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> visual features, LRU

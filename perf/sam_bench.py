@@ -1,7 +1,8 @@
 """SAM throughput: the encoder path (every request a new image: the embedding cache is turned off by a config
 override) and the decoder path (clicks on an image already embedded: cache hits; the masks as bool pixels, then as
 COCO run lengths, `mask_format` "rle") vs concurrency through the served
-`sam` (perf_analyzer, gRPC), beside the engine in process on the same inputs in the same run, and what a cache hit
+`sam` (perf_analyzer, gRPC), the bool masks again with the responses sent by the batcher's own thread
+(`response_threads` 0), beside the engine in process on the same inputs in the same run, and what a cache hit
 saves: the in-process latency of a first click (encoder + decoder) over a second click (decoder only).
 
 python -m perf.sam_bench [--repository model_repository] [--concurrency 1 4 16] [--host NAME]
@@ -95,6 +96,17 @@ def batched(server) -> tuple[float, float]:
     return totals.get("batcher_requests_total", 0.0), totals.get("batcher_batches_total", 0.0)
 
 
+def reload(client, config: dict, device: str, **parameters: str) -> None:
+    """`sam` again with these parameters over the built ones. Unloaded first: Triton 2.51 aborts when a model with
+    custom metrics is reloaded in place (the new instance registers the same metric families while the old one
+    still holds them)."""
+    client.unload_model("sam")
+    wait_unloaded(client, "sam", device)
+    changed = {**config, "parameters": {**config["parameters"],
+                                        **{key: {"string_value": value} for key, value in parameters.items()}}}
+    client.load_model("sam", config=json.dumps(changed))
+
+
 def rows_of(label: str, points) -> list[list]:
     return [[label, p.load, p.throughput, p.p50_us / 1e3, p.p99_us / 1e3,
              "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%"] for p in points]
@@ -125,12 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         points, _, lost = sweep("sam", server, write_input_data(tmp / "rle.json", images, 8, "rle"), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
         rows, notes = rows + rows_of("decoder, masks as RLE (mask_format rle)", points), notes + lost
-        # every request runs the encoder. Unload first: Triton 2.51 aborts when a model with custom metrics is
-        # reloaded in place (the new instance registers the same metric families while the old one still holds them)
-        client.unload_model("sam")
-        wait_unloaded(client, "sam", device)
-        config["parameters"]["embedding_cache_mb"] = {"string_value": "0"}
-        client.load_model("sam", config=json.dumps(config))
+        # the responses made and sent by the batcher's own thread, as before response_threads
+        reload(client, config, device, response_threads="0")
+        before = batched(server)
+        points, _, lost = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
+                                "concurrency", args.concurrency, args.interval_ms)
+        after = batched(server)
+        inline_per_call = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+        rows, notes = rows + rows_of("decoder, sent by the batcher's thread (response_threads 0)", points), \
+            notes + lost
+        reload(client, config, device, embedding_cache_mb="0")  # every request runs the encoder
         client.close()
         points, _, lost = sweep("sam", server, write_input_data(tmp / "images.json", images, 1), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
@@ -149,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
              f"Model: {precision} {engine_meta['runtime']} engines (image encoder, prompt encoder + mask decoder) "
              f"from {Path(engine_meta['checkpoint']).name}, device {device}, one instance; batch_window "
              f"{params.get('batch_window', 'triton')}, up to {params.get('max_prompts', 1)} requests per engine call: "
-             f"{per_call:.1f} on average over the decoder rows (our batcher's counters).",
+             f"{per_call:.1f} on average over the first decoder rows (our batcher's counters), {inline_per_call:.1f} "
+             f"with response_threads 0; otherwise responses made and sent on {params.get('response_threads', 0)} "
+             "threads of their own.",
              "In-process batch: 16 clicks, 4 on each image, as one segment_batch (one decoder call: the clicks have "
              "one length, whatever their images' sizes).",
              f"A click's masks (3, at the image's size) take {binary_kb:.0f} KB as bool pixels and {rle_kb:.0f} KB "

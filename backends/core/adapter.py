@@ -10,10 +10,13 @@ model thread, prepare its items on a thread pool, run all prepared requests thro
 shared call fails, each request is retried alone so that only the one that fails gets the error. Who forms the
 batches is the `batch_window` parameter: Triton's dynamic batcher ("triton"), or our own (backends.core.batcher: QoS
 order, adaptive or fixed window), which answers each request through its response sender once its batch ran. A
-backend whose engine takes requests between steps (`stepper`) runs under our ContinuousBatcher instead.
+backend whose engine takes requests between steps (`stepper`) runs under our ContinuousBatcher instead. Under ours
+the responses are made and sent on `response_threads` threads: a send waits for a round trip to the server, which
+copies the outputs (SAM's masks: megabytes), and made on the batcher's thread those waits kept the engine idle.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -161,6 +164,8 @@ class BatchedBackend(TritonBackend[P]):
             self.batch_metrics = CustomMetrics(self.pb, self.labels, BATCHER_GAUGES, BATCHER_COUNTERS)
             window = BatchWindow(self.params.batch_window, self.params.batch_window_max_ms / 1000)
             self.heartbeat = Heartbeat(self.name)  # the `health` model watches the batcher's loop through it
+            threads = self.params.response_threads
+            self.responder = ThreadPoolExecutor(threads, f"{self.name}-respond") if threads else None
             common = dict(name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics,
                           heartbeat=self.heartbeat)
             stepper = self.stepper()
@@ -243,9 +248,7 @@ class BatchedBackend(TritonBackend[P]):
     def _enqueue(self, request) -> None:
         """Read and admit one request (refused at once when wrong or when its class's queue is full), prepare it
         on the pool, then queue it in the batcher."""
-        sender = request.get_response_sender()
-        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        job = Job(None, None, lambda output: sender.send(self._response(output), flags=final))
+        job = Job(None, None, functools.partial(self._answer, request.get_response_sender()))
         try:
             fault = self.check_parameters(request, allowed=(QOS_PARAMETER,))
             job.ticket = self.qos.ticket(read_qos_class(json.loads(request.parameters() or "{}")))
@@ -255,6 +258,23 @@ class BatchedBackend(TritonBackend[P]):
             answer(job, e)
             return
         self.pool.submit(job.ticket, self._prepare_job, job, items, fault)
+
+    def _answer(self, sender, output: Any) -> None:
+        """A job's answer: its response made and sent on a responder thread (on the caller's without any)."""
+        if self.responder is None:
+            self._send(sender, output)
+        else:
+            self.responder.submit(self._send, sender, output)
+
+    def _send(self, sender, output: Any) -> None:
+        try:
+            response = self._response(output)
+        except Exception as e:  # making the response failed: the request still gets an answer
+            response = self.error_response(e)
+        try:
+            sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # a client gone meanwhile: logged, nothing more
+            log.exception("%s: sending a response failed", self.name)
 
     def _prepare_job(self, job: Job, items: list[Any], fault: str | None) -> None:
         """On the pool: the request's items, its cost score, then its place in the batcher."""
@@ -318,6 +338,8 @@ class BatchedBackend(TritonBackend[P]):
             self.batcher.close()  # waiting requests refused; those still preparing are refused by `_prepare_job`
             self.heartbeat.stop()
             self.pool.shutdown(wait=True)
+            if self.responder is not None:
+                self.responder.shutdown(wait=True)  # every answer sent before the model goes
             self.qos_metrics.close()
             self.batch_metrics.close()
         else:

@@ -46,6 +46,8 @@ class BatchingParams(QosParams):
     # niceness added to the prepare threads: decoding yields the CPU to the thread that admits requests, so under
     # overload the excess is refused at once instead of queueing in Triton before `execute` (perf.overload)
     prepare_nice: int = bounded(5, 0, 19)
+    # threads that make and send our batcher's responses while it runs the next batch (0: its own thread sends them)
+    response_threads: int = bounded(2, 0)
 
 
 class BatchWindow:
@@ -108,7 +110,8 @@ class Job:
 
 class Batcher:
     """A thread that runs `setup()` once (it raises here if that fails), then `run(batch)` (one output or exception
-    per job, in order) over batches of waiting jobs, then `after()` (metrics: once the batch's responses are gone).
+    per job, in order) over batches of waiting jobs, then `after()` (metrics; before the batch's answers, so a client
+    that has its answer sees it counted), then answers them.
 
     Build the engine in `setup`, on this thread: torch's CPU kernels ran 1.9x slower on a thread of their own once
     another thread had used them (each thread that runs OpenMP parallel regions keeps a team of workers; with more
@@ -170,13 +173,13 @@ class Batcher:
             log.exception("batch of %d failed", len(batch))
             outputs = [e] * len(batch)
         now = time.monotonic()
-        for job, output in zip(batch, outputs):
-            answer(job, output)
-            self.window.finished(now - job.ticket.arrival)
         try:
             self._after()
         except Exception:
             log.exception("after a batch")
+        for job, output in zip(batch, outputs):
+            answer(job, output)
+            self.window.finished(now - job.ticket.arrival)
 
     def _next_batch(self) -> list[Job] | None:
         with self._cond:

@@ -2,6 +2,7 @@
 parameters are read through the schema at load, and a request that fails fails alone."""
 import json
 import sys
+import threading
 import types
 
 import numpy as np
@@ -36,10 +37,32 @@ class FakeRequest:
         return ["y"]
 
 
+class FakeMetricFamily:
+    GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+
+    def __init__(self, name, doc, kind):
+        self.name = name
+
+    def Metric(self, labels, buckets=None):  # noqa: N802  (the python backend's name)
+        return types.SimpleNamespace(set=lambda v: None, increment=lambda v: None, observe=lambda v: None)
+
+
+class FakeSender:
+    """A decoupled request's response sender: what was sent, from which thread."""
+
+    def __init__(self):
+        self.sent, self.done = [], threading.Event()
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags, threading.current_thread().name))
+        self.done.set()
+
+
 @pytest.fixture
 def pb(monkeypatch):
     module = types.SimpleNamespace(
         TritonError=FakeError, InferenceResponse=FakeResponse, Tensor=lambda name, value: (name, value),
+        MetricFamily=FakeMetricFamily, TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
         Logger=types.SimpleNamespace(log_info=lambda m: None, log_warn=lambda m: None, log_error=lambda m: None),
         get_input_tensor_by_name=lambda request, name: (
             types.SimpleNamespace(as_numpy=lambda: request.inputs[name]) if name in request.inputs else None))
@@ -147,3 +170,26 @@ def test_the_error_policy_names_client_errors_with_their_codes(pb):
     for exc, code, message in cases:
         assert (model.error(exc).code, model.error(exc).message) == (code, message)
     model.finalize()
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_our_batcher_answers_every_request_once_from_its_responder_threads(pb, threads):
+    """batch_window adaptive: each request gets one final response, its own or its error, sent by a responder
+    thread (by the batcher's own with response_threads 0); unloading waits for the answers in flight."""
+    model = Doubler()
+    model.initialize(model_args("doubler", "x", batch_window="adaptive", response_threads=str(threads)))
+    requests = [FakeRequest({"x": np.array([value])}) for value in (1, 2, 13, 4)] + [FakeRequest({})]
+    senders = [FakeSender() for _ in requests]
+    for request, sender in zip(requests, senders):
+        request.get_response_sender = lambda sender=sender: sender
+    assert model.execute(requests) is None
+    for sender in senders:
+        assert sender.done.wait(10)
+    model.finalize()
+    answers = [sender.sent for sender in senders]
+    assert all(len(sent) == 1 and sent[0][1] == 1 for sent in answers)  # one final response each
+    assert [sent[0][0].tensors for sent in answers[:2] + answers[3:4]] == [[("y", 2)], [("y", 4)], [("y", 8)]]
+    assert answers[2][0][0].error.code == "INTERNAL" and answers[4][0][0].error.code == "INVALID_ARG"
+    batched = [sent[0][2] for sent in answers[:4]]  # (the invalid one is refused on the calling thread)
+    expected = "doubler-respond" if threads else "doubler-batcher"
+    assert all(name.startswith(expected) for name in batched), batched

@@ -18,3 +18,12 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if isinstance(values, np.ndarray):  # torch cannot pin a tensor made from an array
         values = values.tolist()
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array; from a GPU through pinned memory, which the copy engine writes at the
+    link's speed (a copy to pageable memory is staged through a driver buffer at a fraction of it: SAM's masks,
+    megabytes a click)."""
+    if tensor.device.type != "cuda":
+        return tensor.numpy(force=True)
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor).numpy()

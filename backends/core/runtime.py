@@ -113,7 +113,9 @@ class TorchRuntime(Runtime):
 def device_to_numpy(tensor) -> np.ndarray:
     """A torch output as float32 numpy, converted on its device and contiguous there: exported programs may return
     permuted strides, which numpy would gather on the CPU."""
-    return tensor.float().contiguous().cpu().numpy()
+    from backends.core.devices import to_host  # (torch is imported only by the runtimes that use it)
+
+    return to_host(tensor.float().contiguous())
 
 
 def as_tensor(torch, value):

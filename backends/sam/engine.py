@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from backends.core.batcher import BatchingParams
 from backends.core.errors import InvalidInput
+from backends.core.devices import to_host
 from backends.core.params import bounded, choice, device
 from backends.core.runtime import RUNTIMES, load_runtime
 from backends.media.images import DEFAULT_MAX_PIXELS, check_resize, decode_image
@@ -309,9 +310,9 @@ class SamEngine:
                 wanted = {name for name in ("masks", "masks_rle", "low_res_logits")
                           if any(prompt.wants(name) for prompt in asked)}
                 upscaled = upscale_masks(kept, size, self.pad_size) > 0 if wanted & {"masks", "masks_rle"} else None
-                pixels = upscaled.cpu().numpy() if "masks" in wanted else None
-                logits = kept.float().cpu().numpy() if "low_res_logits" in wanted else None
-                scores = iou[index, chosen].float().cpu().numpy()
+                pixels = to_host(upscaled) if "masks" in wanted else None
+                logits = to_host(kept.float()) if "low_res_logits" in wanted else None
+                scores = to_host(iou[index, chosen].float())
                 # every RLE of the group in one scan (on a GPU one sync for all, not one a prompt)
                 encoded = [k for k, prompt in enumerate(asked) if prompt.wants("masks_rle")]
                 runs = coco_rle(upscaled[encoded].flatten(0, 1)) if encoded else []

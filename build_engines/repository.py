@@ -17,7 +17,7 @@ from backends.core.params import Parameters, parse_mapping
 from backends.core.qos import CLASSES, DEFAULT_CLASS, QosParams
 
 TYPES = {"BYTES": mc.TYPE_STRING, "FP32": mc.TYPE_FP32, "INT32": mc.TYPE_INT32, "INT64": mc.TYPE_INT64,
-         "BOOL": mc.TYPE_BOOL}
+         "BOOL": mc.TYPE_BOOL, "UINT8": mc.TYPE_UINT8}
 
 
 @dataclass

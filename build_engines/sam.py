@@ -48,7 +48,8 @@ def build_sam(opts: BuildOptions) -> None:
                     Tensor("mask_input", "FP32", [1, low_res, low_res], optional=True),
                     Tensor("multimask_output", "BOOL", [1], optional=True),
                     Tensor("mask_format", "BYTES", [1], optional=True)],
-            [Tensor("masks", "BOOL", [-1, -1, -1]), Tensor("masks_rle", "BYTES", [-1]),
+            [Tensor("masks", "BOOL", [-1, -1, -1]), Tensor("masks_packed", "UINT8", [-1, -1, -1]),
+             Tensor("masks_rle", "BYTES", [-1]),
              Tensor("iou_scores", "FP32", [-1]),
              Tensor("low_res_logits", "FP32", [-1, low_res, low_res])], params,
             max_batch_size=0, max_queue_delay_us=None, instances=1, kind=instance_kind(opts)))

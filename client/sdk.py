@@ -6,6 +6,7 @@ $GRPC_PORT (default 8001) for gRPC.
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import queue
@@ -100,17 +101,19 @@ class Client:
 
     def segment(self, image: bytes, points: list[tuple[float, float]] = (), labels: list[int] = (),
                 box: tuple[float, float, float, float] | None = None, multimask: bool = True,
-                mask_input: np.ndarray | None = None, rle: bool = False,
+                mask_input: np.ndarray | None = None, mask_format: str = "binary",
                 outputs: tuple[str, ...] = ("masks", "iou_scores", "low_res_logits")) -> tuple:
         """(masks bool [K, H, W], iou_scores [K], low_res_logits [K, 256, 256]) from `sam` for one prompt: points
         (x, y) with labels (1 object, 0 background) and/or one box (x0, y0, x1, y1). To refine a mask with more
-        clicks, pass its low_res_logits row back as `mask_input`. `rle`: the masks as K COCO compressed RLE dicts
-        (`pycocotools.mask.decode(rle)` gives the pixels), about a byte a run instead of a byte a pixel. `outputs`:
-        those to ask for (the others are None; the server computes no masks nobody asked for)."""
+        clicks, pass its low_res_logits row back as `mask_input`. `mask_format`: how the masks travel, "binary" (a
+        byte a pixel), "packed" (eight pixels a byte, unpacked here to the same bool masks) or "rle" (returned as K
+        COCO compressed RLE dicts: `pycocotools.mask.decode(rle)` gives the pixels). `outputs`: those to ask for
+        (the others are None; the server computes no masks nobody asked for)."""
         inputs = {"image": np.array([image], dtype=object), "multimask_output": np.array([multimask])}
-        if rle:
-            inputs["mask_format"] = np.array([b"rle"], dtype=object)
-            outputs = tuple("masks_rle" if name == "masks" else name for name in outputs)
+        names = {"binary": "masks", "packed": "masks_packed", "rle": "masks_rle"}
+        if mask_format != "binary":
+            inputs["mask_format"] = np.array([mask_format.encode()], dtype=object)
+            outputs = tuple(names.get(mask_format, "masks") if name == "masks" else name for name in outputs)
         if points:
             inputs["point_coords"] = np.array(points, dtype=np.float32).reshape(-1, 2)
             inputs["point_labels"] = np.array(labels, dtype=np.int32)
@@ -120,8 +123,13 @@ class Client:
             inputs["mask_input"] = np.asarray(mask_input, dtype=np.float32).reshape(1, *np.shape(mask_input)[-2:])
         out = self.infer("sam", inputs, list(outputs))
         masks = out.get("masks")
-        if rle and out.get("masks_rle") is not None:
+        if mask_format == "rle" and out.get("masks_rle") is not None:
             masks = [json.loads(item) for item in out["masks_rle"]]
+        elif mask_format == "packed" and out.get("masks_packed") is not None:
+            from PIL import Image  # the width the last byte's padding hides: from the image's header
+
+            width = Image.open(io.BytesIO(image)).width
+            masks = np.unpackbits(out["masks_packed"], axis=-1, count=width).astype(bool)
         return masks, out.get("iou_scores"), out.get("low_res_logits")
 
     def tile(self, image: bytes) -> tuple[np.ndarray, int]:

@@ -1,6 +1,6 @@
 """SAM throughput: the encoder path (every request a new image: the embedding cache is turned off by a config
 override) and the decoder path (clicks on an image already embedded: cache hits; the masks as bool pixels, then as
-COCO run lengths, `mask_format` "rle") vs concurrency through the served
+COCO run lengths, `mask_format` "rle", then as packed bits, "packed") vs concurrency through the served
 `sam` (perf_analyzer, gRPC), the bool masks again with the responses sent by the batcher's own thread
 (`response_threads` 0), beside the engine in process on the same inputs in the same run, and what a cache hit
 saves: the in-process latency of a first click (encoder + decoder) over a second click (decoder only).
@@ -75,19 +75,21 @@ def in_process(folder: Path, images: list[bytes], device: str, repeats: int = 5,
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def answer_sizes(folder: Path, images: list[bytes], device: str) -> tuple[float, float]:
-    """Mean KB of a click's masks over the images: as bool pixels (`masks`) and as the JSON run lengths `sam` sends
-    with `mask_format` rle (`masks_rle`)."""
+def answer_sizes(folder: Path, images: list[bytes], device: str) -> tuple[float, float, float]:
+    """Mean KB of a click's masks over the images: as bool pixels (`masks`), packed bits (`masks_packed`) and the
+    JSON run lengths `sam` sends with `mask_format` rle (`masks_rle`)."""
     from backends.sam.engine import Prompt, SamEngine
 
     engine = SamEngine(folder, device=device)
     point, label = np.array([[10.0, 10.0]], dtype=np.float32), np.array([1])
-    binary, rle = [], []
+    binary, packed, rle = [], [], []
     for data in images:
-        pixels, runs = engine.segment_batch([Prompt(data, point, label), Prompt(data, point, label, rle=True)])
+        pixels, bits, runs = engine.segment_batch([Prompt(data, point, label, mask_format=f)
+                                                   for f in ("binary", "packed", "rle")])
         binary.append(pixels.masks.nbytes)
+        packed.append(bits.masks_packed.nbytes)
         rle.append(sum(len(json.dumps(mask)) for mask in runs.masks_rle))
-    return statistics.mean(binary) / 1024, statistics.mean(rle) / 1024
+    return statistics.mean(binary) / 1024, statistics.mean(packed) / 1024, statistics.mean(rle) / 1024
 
 
 def batched(server) -> tuple[float, float]:
@@ -137,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         points, _, lost = sweep("sam", server, write_input_data(tmp / "rle.json", images, 8, "rle"), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
         rows, notes = rows + rows_of("decoder, masks as RLE (mask_format rle)", points), notes + lost
+        points, _, lost = sweep("sam", server, write_input_data(tmp / "packed.json", images, 8, "packed"), tmp,
+                                "concurrency", args.concurrency, args.interval_ms)
+        rows, notes = rows + rows_of("decoder, masks as packed bits (mask_format packed)", points), notes + lost
         # the responses made and sent by the batcher's own thread, as before response_threads
         reload(client, config, device, response_threads="0")
         before = batched(server)
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "concurrency", args.concurrency, args.interval_ms)
         rows, notes = rows + rows_of("encoder (every request a new image)", points), notes + lost
     latency = in_process(folder, images, device)
-    binary_kb, rle_kb = answer_sizes(folder, images, device)
+    binary_kb, packed_kb, rle_kb = answer_sizes(folder, images, device)
     rows += [["in process, first click (encoder + decoder)", 1, 1e3 / latency["first click"],
               latency["first click"], "-", "-"],
              ["in process, second click (cache hit)", 1, 1e3 / latency["second click"], latency["second click"],
@@ -170,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
              "threads of their own.",
              "In-process batch: 16 clicks, 4 on each image, as one segment_batch (one decoder call: the clicks have "
              "one length, whatever their images' sizes).",
-             f"A click's masks (3, at the image's size) take {binary_kb:.0f} KB as bool pixels and {rle_kb:.0f} KB "
-             "as run lengths (mean over the images; the runs depend on how speckled the masks are).",
+             f"A click's masks (3, at the image's size) take {binary_kb:.0f} KB as bool pixels, {packed_kb:.0f} KB "
+             f"as packed bits and {rle_kb:.0f} KB as run lengths (mean over the images; the runs depend on how "
+             "speckled the masks are); its low-res logits 768 KB (fp32).",
              f"A cache hit makes a click {latency['first click'] / latency['second click']:.1f}x faster in process "
              f"({latency['first click']:.1f} ms -> {latency['second click']:.1f} ms, median over "
              f"{len(images)} images x 5).", *notes]

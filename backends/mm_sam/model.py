@@ -1,8 +1,9 @@
 """`mm_sam`: Triton backend for `sam`, image + one prompt (points with labels, and/or one box, optionally the low-res
 logits of an earlier mask) -> masks at the image's size, IoU scores and the low-res logits (those the client asks
-for: masks nobody asked for are not upscaled, and no logits are copied back for nobody). With the input
-`mask_format` "rle" the masks come as `masks_rle`, COCO's compressed RLE as JSON (pycocotools.mask.decode reads it):
-about a byte a run where `masks` is a byte a pixel.
+for: masks nobody asked for are not upscaled, and no logits are copied back for nobody). The input
+`mask_format` picks how the masks come: "binary", `masks`, a byte a pixel; "packed", `masks_packed`, eight pixels a
+byte (np.unpackbits(..., axis=-1, count=width) reads it); "rle", `masks_rle`, COCO's compressed RLE as JSON
+(pycocotools.mask.decode reads it), about a byte a run.
 
 The engine caches image embeddings by content hash; cache hits, misses and evictions are exported as counters
 (sam_embedding_cache_*), so a client can see a second click skip the encoder. With `batch_window` adaptive (the
@@ -21,7 +22,7 @@ from backends.core.adapter import BatchedBackend
 from backends.core.errors import InvalidInput
 from backends.core.inputs import Inputs
 from backends.core.metrics import CustomMetrics
-from backends.sam.engine import Prompt, SamEngine, SamParams, Segmentation, image_key
+from backends.sam.engine import MASK_OUTPUTS, Prompt, SamEngine, SamParams, Segmentation, image_key
 
 COUNTERS = {"hits": "image embeddings served from the cache", "misses": "images that ran the encoder",
             "evictions": "embeddings dropped from the cache to stay within its memory bound"}
@@ -47,12 +48,13 @@ class TritonPythonModel(BatchedBackend[SamParams]):
     def read(self, inputs: Inputs) -> list[Prompt]:
         arrays = (inputs.array(name) for name in ("point_coords", "point_labels", "boxes", "mask_input"))
         mask_format = inputs.text("mask_format", "binary")
-        if mask_format not in ("binary", "rle"):
-            raise InvalidInput(f"mask_format must be 'binary' (masks) or 'rle' (masks_rle); got {mask_format!r}")
+        if mask_format not in MASK_OUTPUTS:
+            raise InvalidInput("mask_format must be " + ", ".join(f"'{f}' ({o})" for f, o in MASK_OUTPUTS.items())
+                               + f"; got {mask_format!r}")
         # copies: our batcher uses them after `execute` returns, when Triton may reuse the inputs' buffers
         return [Prompt(inputs.blob("image", "encoded image"), *(None if a is None else a.copy() for a in arrays),
                        inputs.scalar("multimask_output", bool, True), outputs=inputs.requested,
-                       rle=mask_format == "rle")]
+                       mask_format=mask_format)]
 
     def prepare(self, prompt: Prompt) -> Prompt:
         prompt.key = image_key(prompt.image)
@@ -70,7 +72,8 @@ class TritonPythonModel(BatchedBackend[SamParams]):
         rle = None if result.masks_rle is None else np.array([json.dumps(r).encode() for r in result.masks_rle],
                                                              dtype=object)
         return self.pb.InferenceResponse([self.pb.Tensor(name, value) for name, value in (
-            ("masks", result.masks), ("masks_rle", rle), ("iou_scores", result.iou_scores),
+            ("masks", result.masks), ("masks_packed", result.masks_packed), ("masks_rle", rle),
+            ("iou_scores", result.iou_scores),
             ("low_res_logits", result.low_res_logits)) if value is not None])
 
     def after_batch(self) -> None:

@@ -33,6 +33,7 @@ from backends.core.runtime import RUNTIMES, load_runtime
 from backends.media.images import DEFAULT_MAX_PIXELS, check_resize, decode_image
 
 LOW_RES = 256  # side of the decoder's low-res masks (and of mask_input)
+MASK_OUTPUTS = {"binary": "masks", "packed": "masks_packed", "rle": "masks_rle"}  # `mask_format` -> its output
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,15 @@ def upscale_masks(low_res: torch.Tensor, size: tuple[int, int], pad_size: int) -
     masks = F.interpolate(low_res.float(), (pad_size, pad_size), mode="bilinear", align_corners=False)
     masks = masks[..., :resized_side(height, height, width, pad_size), :resized_side(width, height, width, pad_size)]
     return F.interpolate(masks, (height, width), mode="bilinear", align_corners=False)
+
+
+def pack_bits(masks: torch.Tensor) -> torch.Tensor:
+    """Bool masks [..., W] as uint8 [..., ceil(W / 8)], eight pixels a byte, the first in the highest bit: what
+    `np.packbits(masks, axis=-1)` gives and `np.unpackbits(packed, axis=-1, count=W)` reads back. Packed where the
+    masks are, so a GPU copies an eighth of the bytes back."""
+    padded = F.pad(masks.to(torch.uint8), (0, -masks.shape[-1] % 8))
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=masks.device)
+    return (padded.unflatten(-1, (-1, 8)) * weights).sum(-1, dtype=torch.uint8)
 
 
 def coco_rle(masks: torch.Tensor | np.ndarray) -> list[dict]:
@@ -160,11 +170,11 @@ class Prompt:
     key: str = ""  # the embedding cache's key (`image_key`), when the caller has it already
     outputs: frozenset[str] | None = None  # the outputs asked for (None: all): a client that asks for no masks
     # saves their upscaling and their copy to the host
-    rle: bool = False  # masks as COCO run lengths (`masks_rle`) instead of bool pixels (`masks`)
+    mask_format: str = "binary"  # the masks as bool pixels (`masks`), packed bits or COCO run lengths (MASK_OUTPUTS)
 
     def wants(self, name: str) -> bool:
         """Whether to compute output `name` (a Segmentation field): asked for, and the masks in the format asked."""
-        if name in ("masks", "masks_rle") and (name == "masks_rle") != self.rle:
+        if name in MASK_OUTPUTS.values() and name != MASK_OUTPUTS[self.mask_format]:
             return False
         return self.outputs is None or name in self.outputs
 
@@ -175,6 +185,7 @@ class Segmentation:
     iou_scores: np.ndarray  # float32 [K]
     low_res_logits: np.ndarray | None  # float32 [K, 256, 256]
     masks_rle: list[dict] | None = None  # the masks as COCO's compressed RLE (`coco_rle`)
+    masks_packed: np.ndarray | None = None  # uint8 [K, H, ceil(W / 8)]: the masks' bits (`pack_bits`)
     # (each is None where the prompt does not want it: Prompt.wants)
 
 
@@ -307,10 +318,11 @@ class SamEngine:
                 chosen = slice(1, 4) if multimask else slice(0, 1)  # SamMaskDecoder's choice of mask tokens
                 kept = low_res[index, chosen]
                 asked = [prompts[rows[row][0]] for row in members]
-                wanted = {name for name in ("masks", "masks_rle", "low_res_logits")
+                wanted = {name for name in (*MASK_OUTPUTS.values(), "low_res_logits")
                           if any(prompt.wants(name) for prompt in asked)}
-                upscaled = upscale_masks(kept, size, self.pad_size) > 0 if wanted & {"masks", "masks_rle"} else None
+                upscaled = upscale_masks(kept, size, self.pad_size) > 0 if wanted & {*MASK_OUTPUTS.values()} else None
                 pixels = to_host(upscaled) if "masks" in wanted else None
+                packed = to_host(pack_bits(upscaled)) if "masks_packed" in wanted else None
                 logits = to_host(kept.float()) if "low_res_logits" in wanted else None
                 scores = to_host(iou[index, chosen].float())
                 # every RLE of the group in one scan (on a GPU one sync for all, not one a prompt)
@@ -321,7 +333,8 @@ class SamEngine:
                 for k, (row, prompt) in enumerate(zip(members, asked)):
                     results[rows[row][0]] = Segmentation(
                         pixels[k] if prompt.wants("masks") else None, scores[k],
-                        logits[k] if prompt.wants("low_res_logits") else None, rles.get(k))
+                        logits[k] if prompt.wants("low_res_logits") else None, rles.get(k),
+                        packed[k] if prompt.wants("masks_packed") else None)
         return results
 
     @staticmethod

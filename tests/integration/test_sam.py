@@ -49,7 +49,7 @@ def test_served_masks_equal_reference_and_second_click_hits_the_cache(server, sa
 def test_a_request_gets_only_the_outputs_it_asks_for(server):
     """tritonclient's requested outputs: a request for the scores alone, and one for the scores and low-res logits,
     get those, equal to the answer with every output; with mask_format "rle" the masks come as COCO RLE, which
-    pycocotools decodes to the same pixels."""
+    pycocotools decodes to the same pixels, and with "packed" as bits that unpack to them."""
     from pycocotools import mask as coco
 
     with Client(server.http_url) as client:
@@ -61,11 +61,14 @@ def test_a_request_gets_only_the_outputs_it_asks_for(server):
         assert no_masks[0] is None and masks.shape == (3, 480, 640)
         np.testing.assert_allclose(no_masks[1], scores, atol=1e-6)
         np.testing.assert_allclose(no_masks[2], low_res, atol=1e-5)
-        rles, rle_scores, _ = client.segment(IMAGE, [(200.0, 100.0)], [1], rle=True)
+        rles, rle_scores, _ = client.segment(IMAGE, [(200.0, 100.0)], [1], mask_format="rle")
         np.testing.assert_allclose(rle_scores, scores, atol=1e-6)
         assert len(rles) == 3
         for rle, want in zip(rles, masks):
             np.testing.assert_array_equal(coco.decode(rle).astype(bool), want)
+        unpacked, packed_scores, _ = client.segment(IMAGE, [(200.0, 100.0)], [1], mask_format="packed")
+        np.testing.assert_allclose(packed_scores, scores, atol=1e-6)
+        np.testing.assert_array_equal(unpacked, masks)
         with pytest.raises(InferenceServerException, match="mask_format must be 'binary'"):
             client.infer("sam", {"image": np.array([IMAGE], dtype=object),
                                  "point_coords": np.array([[5.0, 5.0]], np.float32),

@@ -13,7 +13,7 @@ from PIL import Image
 
 from backends.core.errors import InvalidInput
 from backends.media.images import decode_image
-from backends.sam.engine import Embedded, EmbeddingCache, Prompt, SamEngine
+from backends.sam.engine import Embedded, EmbeddingCache, Prompt, SamEngine, pack_bits
 from tests.conftest import build_engines, encode, random_image
 
 
@@ -238,7 +238,7 @@ def test_a_prompt_gets_only_the_outputs_it_asks_for_and_masks_nobody_asked_for_a
 
 
 def test_masks_as_rle_decode_with_pycocotools_to_the_binary_masks(engine):
-    """`rle=True`: each mask as COCO's compressed RLE, which pycocotools decodes to the bool masks of the same
+    """`mask_format` rle: each mask as COCO's compressed RLE, which pycocotools decodes to the bool masks of the same
     prompt (rows and columns in their places: a non-square image), also where several prompts of one decoder call
     ask for RLE (their masks are scanned together)."""
     from pycocotools import mask as coco
@@ -246,7 +246,7 @@ def test_masks_as_rle_decode_with_pycocotools_to_the_binary_masks(engine):
     image = encode(random_image(300, 500, seed=61), "JPEG")
     clicks, one = [np.array([[120.0, 200.0]]), np.array([[30.0, 400.0]])], np.array([1])
     binary = engine.segment_batch([Prompt(image, points, one) for points in clicks])
-    as_rle = engine.segment_batch([Prompt(image, points, one, rle=True) for points in clicks])
+    as_rle = engine.segment_batch([Prompt(image, points, one, mask_format="rle") for points in clicks])
     for got, want in zip(as_rle, binary):
         assert want.masks_rle is None and got.masks is None and len(got.masks_rle) == 3
         np.testing.assert_array_equal(got.iou_scores, want.iou_scores)
@@ -254,6 +254,26 @@ def test_masks_as_rle_decode_with_pycocotools_to_the_binary_masks(engine):
             assert rle["size"] == [500, 300] and isinstance(rle["counts"], str)
             np.testing.assert_array_equal(coco.decode(rle).astype(bool), mask)
     assert any((a != b).any() for a, b in zip(binary[0].masks, binary[1].masks))  # two clicks, two answers
+
+
+def test_packed_masks_unpack_to_the_binary_masks(engine):
+    """`mask_format` packed: eight pixels a byte, np.packbits' order (a width of 300 leaves the last byte half used),
+    beside a prompt of the same decoder call that asks for bool pixels."""
+    image = encode(random_image(300, 500, seed=61), "JPEG")
+    one = np.array([1])
+    binary, packed = engine.segment_batch([Prompt(image, np.array([[120.0, 200.0]]), one),
+                                           Prompt(image, np.array([[120.0, 200.0]]), one, mask_format="packed")])
+    assert packed.masks is None and binary.masks_packed is None
+    assert packed.masks_packed.shape == (3, 500, 38) and packed.masks_packed.dtype == np.uint8
+    np.testing.assert_array_equal(packed.masks_packed, np.packbits(binary.masks, axis=-1))
+    np.testing.assert_array_equal(packed.iou_scores, binary.iou_scores)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_pack_bits_is_numpys_packbits(device):
+    masks = torch.rand(2, 5, 29, generator=torch.Generator().manual_seed(0)) > 0.5
+    np.testing.assert_array_equal(pack_bits(masks.to(device)).cpu().numpy(), np.packbits(masks.numpy(), axis=-1))
 
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.core.batcher import BatchingParams
-from backends.core.errors import InvalidInput
 from backends.core.devices import to_host
+from backends.core.errors import InvalidInput
 from backends.core.params import bounded, choice, device
 from backends.core.runtime import RUNTIMES, load_runtime
 from backends.media.images import DEFAULT_MAX_PIXELS, check_resize, decode_image

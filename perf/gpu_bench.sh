@@ -189,7 +189,7 @@ if [[ " ${SCENARIOS:-images} " == *" sam "* ]]; then
     "${build[@]}" sam --tiny
   else  # SAM ViT-H shapes (32 layers x 1280, 256-channel neck and decoder), random bf16 weights
     "${build[@]}" sam --random-init sam-vit-h --runtime torch --precision bf16 --device cuda
-    "$py" -m pytest -q -p no:cacheprovider tests/unit/test_sam.py -k "cuda_graphs or run_lengths"
+    "$py" -m pytest -q -p no:cacheprovider tests/unit/test_sam.py -k "cuda_graphs or run_lengths or pack_bits"
   fi
   "$py" -m perf.sam_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
 fi

@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -166,6 +167,9 @@ class BatchedBackend(TritonBackend[P]):
             self.heartbeat = Heartbeat(self.name)  # the `health` model watches the batcher's loop through it
             threads = self.params.response_threads
             self.responder = ThreadPoolExecutor(threads, f"{self.name}-respond") if threads else None
+            # answers waiting for a responder, at most two batches' worth: past that the batcher waits, so outputs
+            # (SAM's: megabytes each) cannot pile up when sending is slower than the engine
+            self.unsent = threading.Semaphore(2 * max_batch)
             common = dict(name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics,
                           heartbeat=self.heartbeat)
             stepper = self.stepper()
@@ -263,8 +267,9 @@ class BatchedBackend(TritonBackend[P]):
         """A job's answer: its response made and sent on a responder thread (on the caller's without any)."""
         if self.responder is None:
             self._send(sender, output)
-        else:
-            self.responder.submit(self._send, sender, output)
+            return
+        self.unsent.acquire()
+        self.responder.submit(self._send, sender, output).add_done_callback(lambda _: self.unsent.release())
 
     def _send(self, sender, output: Any) -> None:
         try:

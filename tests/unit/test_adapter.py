@@ -3,6 +3,7 @@ parameters are read through the schema at load, and a request that fails fails a
 import json
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -193,3 +194,27 @@ def test_our_batcher_answers_every_request_once_from_its_responder_threads(pb, t
     batched = [sent[0][2] for sent in answers[:4]]  # (the invalid one is refused on the calling thread)
     expected = "doubler-respond" if threads else "doubler-batcher"
     assert all(name.startswith(expected) for name in batched), batched
+
+
+def test_our_batcher_waits_while_two_batches_of_answers_are_unsent(pb):
+    """A responder stuck in `send`: the batcher runs at most two batches more (their answers wait), then waits
+    itself instead of piling outputs up; once sends go through, every request is answered."""
+    model = Doubler()
+    model.initialize(model_args("doubler", "x", batch_window="adaptive", response_threads="1"))  # batches of 1
+    gate = threading.Event()
+    senders = [FakeSender() for _ in range(6)]
+    for sender in senders:
+        sender.send = lambda response, flags=0, sender=sender: (gate.wait(10), FakeSender.send(sender, response, flags))
+    requests = [FakeRequest({"x": np.array([value])}) for value in range(6)]
+    for request, sender in zip(requests, senders):
+        request.get_response_sender = lambda sender=sender: sender
+    model.execute(requests)
+    deadline = time.monotonic() + 10
+    while len(model.calls) < 3 and time.monotonic() < deadline:  # one answer in send, one waiting, one held
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert len(model.calls) == 3 and not any(sender.sent for sender in senders)
+    gate.set()
+    assert all(sender.done.wait(10) for sender in senders)
+    assert [sender.sent[0][0].tensors for sender in senders] == [[("y", 2 * value)] for value in range(6)]
+    model.finalize()

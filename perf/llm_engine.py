@@ -271,11 +271,11 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
                  "Triton GEMM of backends/llm/fp8_gemm.py, longer ones widen the weights to bf16 for cuBLAS); the "
                  "random weights rounded to nearest (GPTQ changes values, not speed); embedding, norms, "
                  "attention and the LM head in bf16 (the head in FP8 too with the lmhead option). paged: decode "
-                 "attention by the Triton kernel of "
-                 "backends/llm/paged_decode.py (KV blocks read in place); gather: each sequence's blocks copied out, "
-                 "then SDPA. gemv: one-token steps run every linear layer (the LM head too) through "
-                 "backends/llm/gemv.py, with the RMSNorm / SiLU * up before and the residual add after fused into "
-                 "them; library: cuBLAS (torch._scaled_mm for FP8 at one row) and separate kernels.")
+                 "attention by the Triton kernel of backends/llm/paged_decode.py (KV blocks read in place); gather: "
+                 "each sequence's blocks copied out, then SDPA. gemv: one-token steps run every linear layer (the "
+                 "LM head too) through backends/llm/gemv.py, with the RMSNorm / SiLU * up before and the residual "
+                 "add after fused into them; library: cuBLAS (torch._scaled_mm for FP8 at one row) and separate "
+                 "kernels.")
     return columns, rows, notes
 
 

@@ -98,6 +98,11 @@ def batched(server) -> tuple[float, float]:
     return totals.get("batcher_requests_total", 0.0), totals.get("batcher_batches_total", 0.0)
 
 
+def mean_batch(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Requests per engine call between two `batched` readings."""
+    return (after[0] - before[0]) / max(1.0, after[1] - before[1])
+
+
 def reload(client, config: dict, device: str, **parameters: str) -> None:
     """`sam` again with these parameters over the built ones. Unloaded first: Triton 2.51 aborts when a model with
     custom metrics is reloaded in place (the new instance registers the same metric families while the old one
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         points, _, notes = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
                                  "concurrency", args.concurrency, args.interval_ms)
         after = batched(server)
-        per_call = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+        per_call = mean_batch(before, after)
         rows = rows_of("decoder (clicks on embedded images)", points)
         points, _, lost = sweep("sam", server, write_input_data(tmp / "rle.json", images, 8, "rle"), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
@@ -147,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         before = batched(server)
         points, _, lost = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
-        after = batched(server)
-        inline_per_call = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+        inline_per_call = mean_batch(before, batched(server))
         rows, notes = rows + rows_of("decoder, sent by the batcher's thread (response_threads 0)", points), \
             notes + lost
         reload(client, config, device, embedding_cache_mb="0")  # every request runs the encoder

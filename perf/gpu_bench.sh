@@ -26,7 +26,8 @@
 #   "prefill": the engine's tests on the GPU, then chunked prefill and prefix caching on Llama-3-8B shapes
 #   (perf.llm_prefill);
 #   "lora": the LoRA tests on the GPU, then 64 streams with 1, 8 and 64 distinct rank-16 adapters against the base
-#   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine);
+#   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine; LORA_ARGS: more of its arguments, e.g.
+#   "--side-stream off on --distinct 1 64");
 #   "lora_kernels": the LoRA kernels per projection of Llama-3-8B at a decode step, at a few block configurations,
 #   beside the every-slot product and the bytes' time (perf.lora_kernels);
 #   "w8a16": the FP8 GEMM / GEMV tests on the GPU, weights-only FP8 layers at 2-256 rows beside bf16, W8A8 and
@@ -225,7 +226,7 @@ if [[ " ${SCENARIOS:-images} " == *" lora_kernels "* ]]; then
 fi
 if [[ " ${SCENARIOS:-images} " == *" lora "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_lora.py
-  "$py" -m perf.lora_engine --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}"
+  "$py" -m perf.lora_engine --random-init llama-3-8b --results "$results" --host "${HOST:-gpu}" ${LORA_ARGS:-}
 fi
 if [[ " ${SCENARIOS:-images} " == *" w8a16 "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8_gemm.py tests/unit/test_gemv.py tests/unit/test_fp8.py \

@@ -104,15 +104,16 @@ def gemv_runs_on(device: torch.device, fp8: bool) -> bool:
 
 def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, gated: bool = False,
             residual: torch.Tensor | None = None,
-            lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+            lora: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None = None) -> torch.Tensor:
     """g(linear(f(x)) (+ adapters(f(x)))) (+ residual), f = the RMSNorm `norm` or nothing, g = SiLU(gate) * up of the
     output's halves (`gated`) or nothing: one GEMV kernel with its neighbours fused where gemv_operands allows, else
-    the separate ops (linear's forward sees its own input). With adapters, f(x) is made once for both products, and
-    `lora(out, f(x))` adds theirs into the output before g and the residual (PEFT's order)."""
+    the separate ops (linear's forward sees its own input). With adapters, f(x) is made once for both products:
+    `lora(f(x))` starts theirs (backends/llm/lora.py), and what it returns adds them to the output before g and the
+    residual (PEFT's order)."""
     if lora is not None:
         x = x if norm is None else norm(x)
-        out = project(linear, x, kernels)
-        lora(out, x)
+        finish = lora(x)
+        out = finish(project(linear, x, kernels))
     elif (operands := gemv_operands(linear, x, kernels)) is not None:
         from backends.llm.gemv import gemv
 

@@ -153,7 +153,7 @@ def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[i
     _expand_kernel[(tiles.shape[0], parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
         PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
-        PRECISION=precision(out), num_warps=EXPAND_WARPS)
+        PRECISION=precision(b), num_warps=EXPAND_WARPS)  # (the product's operands are b's dtype; out may be fp32)
 
 
 def precision(t: torch.Tensor) -> str:

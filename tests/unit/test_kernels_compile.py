@@ -83,6 +83,11 @@ CASES = {
                     {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"}, {"rows_total": "i32", "stride_out": "i32"},
                     dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256, CHUNK=4,
                          PRECISION="tf32")),
+    "lora-expand-into-fp32": ("backends.llm.lora_kernels", "_expand_kernel",  # lora_side_stream's delta
+                              {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*fp32"},
+                              {"rows_total": "i32", "stride_out": "i32"},
+                              dict(W0=14336, W1=14336, W2=0, R=16, PARTS=2, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256,
+                                   CHUNK=4, PRECISION="tf32")),
 }
 
 

@@ -14,7 +14,7 @@
 #   the engine's steps spend their time (perf.whisper_steps);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
 #   "sam": the decoder's CUDA graph test, then encoder and decoder requests/s vs concurrency of the served sam,
-#   ViT-H shapes, random bf16;
+#   ViT-H shapes, random bf16 (SAM_ARGS: more perf.sam_bench arguments, e.g. "--concurrency 16");
 #   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
 #   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
 #   "attention": the paged decode kernel's tests, and the engine on Llama-3-8B shapes in bf16 and FP8 with decode
@@ -192,7 +192,7 @@ if [[ " ${SCENARIOS:-images} " == *" sam "* ]]; then
     "${build[@]}" sam --random-init sam-vit-h --runtime torch --precision bf16 --device cuda
     "$py" -m pytest -q -p no:cacheprovider tests/unit/test_sam.py -k "cuda_graphs or run_lengths or pack_bits"
   fi
-  "$py" -m perf.sam_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
+  "$py" -m perf.sam_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}" ${SAM_ARGS:-}
 fi
 if [[ " ${SCENARIOS:-images} " == *" fp8 "* ]]; then
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_fp8.py

@@ -81,10 +81,10 @@ class ProjectionSlots:
             delta = torch.zeros(x.shape[0], self.b.shape[2], dtype=torch.float32, device=x.device)
             self.add_to(delta, x, step)
 
-        def add_delta(out: torch.Tensor) -> torch.Tensor:
+        def add_products(out: torch.Tensor) -> torch.Tensor:
             main.wait_stream(stream)
             return step.slots.add_delta(out, delta)
-        return add_delta
+        return add_products
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, step: LoraStep) -> None:
         """out [T, out] += each tiled row's w (x A^T) B, in place."""

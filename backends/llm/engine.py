@@ -186,7 +186,7 @@ class LLMEngine:
         self.adapters = None  # LoRA: device slots first, so the KV budget counts them
         if config.max_loras:
             slots = LoraSlots(args, config.max_loras, config.max_lora_rank, self.dtype, self.device,
-                              config.lora_side_stream, config.compile_kernels)
+                              config.lora_side_stream, self.model.kernels.add_delta)
             self.adapters = AdapterCache(Path(checkpoint) / config.lora_root, args, slots,
                                          config.max_cpu_loras or 4 * config.max_loras)
             log.info("LoRA: %d device slots of rank %d (%.0f MiB), adapters from %s", config.max_loras,

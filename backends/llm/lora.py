@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from backends.llm.adapters import LoraAdapter, projection_shapes
-from backends.llm.model import ModelArgs
+from backends.llm.model import ModelArgs, add_delta
 
 # the engine's fused projections and the PEFT modules they hold, in order
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"),
@@ -108,12 +108,13 @@ class LoraSlots:
     """`num_slots` adapters of rank up to `max_rank` on the device, for every layer and projection."""
 
     def __init__(self, args: ModelArgs, num_slots: int, max_rank: int, dtype: torch.dtype, device,
-                 side_stream: bool = False, compile_kernels: bool = False):
+                 side_stream: bool = False,
+                 add_delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = add_delta):
         shapes = projection_shapes(args)
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
         cuda = torch.device(device).type == "cuda"
         self.stream = torch.cuda.Stream(device) if side_stream and cuda else None  # see ProjectionSlots.begin
-        self.add_delta = torch.compile(add_delta, dynamic=True) if compile_kernels and cuda else add_delta
+        self.add_delta = add_delta  # the model's (Kernels: compiled on a GPU)
         self.layers: list[dict[str, ProjectionSlots]] = []
         for _ in range(args.num_hidden_layers):
             layer = {}
@@ -143,10 +144,6 @@ class LoraSlots:
     @property
     def nbytes(self) -> int:
         return sum(p.a.nbytes + p.b.nbytes for layer in self.layers for p in layer.values())
-
-
-def add_delta(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    return (out.float() + delta).to(out.dtype)
 
 
 @dataclass

@@ -145,6 +145,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
+def add_delta(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """out + an fp32 delta, rounded once to out's dtype (LoRA products computed beside the base product)."""
+    return (out.float() + delta).to(out.dtype)
+
+
 class Kernels:
     """The elementwise pieces of a layer. `compiled()` gives torch.compile'd versions (one fused kernel each instead
     of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels). `gemv`: whether
@@ -153,6 +158,7 @@ class Kernels:
 
     rms_norm, rotate, silu_mul = staticmethod(rms_norm), staticmethod(rotate), staticmethod(silu_mul)
     quantize_tokens = staticmethod(quantize_tokens)  # FP8 layers' activations
+    add_delta = staticmethod(add_delta)
 
     def __init__(self, gemv: bool = True, rope_cache: bool = False):
         self.gemv, self.rope_cache = gemv, rope_cache
@@ -160,7 +166,7 @@ class Kernels:
     @classmethod
     def compiled(cls, gemv: bool = True) -> Kernels:
         kernels = cls(gemv, rope_cache=True)
-        for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens"):
+        for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens", "add_delta"):
             setattr(kernels, name, torch.compile(getattr(cls, name), dynamic=True))
         return kernels
 

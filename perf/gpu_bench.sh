@@ -27,7 +27,7 @@
 #   (perf.llm_prefill);
 #   "lora": the LoRA tests on the GPU, then 64 streams with 1, 8 and 64 distinct rank-16 adapters against the base
 #   model on Llama-3-8B shapes, and adapter load times (perf.lora_engine; LORA_ARGS: more of its arguments, e.g.
-#   "--side-stream off on --distinct 1 64");
+#   "--distinct 1 64");
 #   "lora_kernels": the LoRA kernels per projection of Llama-3-8B at a decode step, at a few block configurations,
 #   beside the every-slot product and the bytes' time (perf.lora_kernels);
 #   "w8a16": the FP8 GEMM / GEMV tests on the GPU, weights-only FP8 layers at 2-256 rows beside bf16, W8A8 and

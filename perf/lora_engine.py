@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from backends.llm import lora_kernels
 from backends.llm.engine import EngineConfig, LLMEngine
 from backends.llm.lora import PARTS
 from backends.llm.model import ModelArgs, checkpoint_tensors
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--batch1-tokens", type=int, default=128)
-    parser.add_argument("--side-stream", nargs="+", choices=["off", "on"], default=["off"],
-                        help="each LoRA engine with lora_side_stream off and / or on (its adapter products beside the "
-                        "base products on a second CUDA stream), side by side")
+    parser.add_argument("--pdl", nargs="+", choices=["on", "off"], default=["on"],
+                        help="each LoRA engine with its kernels launched with programmatic dependent launch "
+                        "(lora_kernels.PDL) and / or without, side by side")
     parser.add_argument("--profile", action="store_true", help="instead: torch.profiler over the prefill step and the "
                         "first decode steps of the load on the largest engine, with its adapters and without")
     parser.add_argument("--scenario", default="lora-engine")
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         return engine_concurrent(base_engine, batch, args.output_tokens)
     rows = []
     per_adapter = (root / names[0] / "adapter_model.safetensors").stat().st_size
-    for slots, side in ((slots, side) for slots in args.distinct for side in args.side_stream):
+    for slots, pdl in ((slots, pdl) for slots in args.distinct for pdl in args.pdl):
+        lora_kernels.PDL = pdl == "on"  # read when the engine captures its CUDA graphs
         start = time.perf_counter()
-        engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots, lora_side_stream=side == "on"),
-                           weights)
+        engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
         sync(device)
         ready = time.perf_counter() - start
         started = time.perf_counter()  # the first adapter's load, timed apart: from disk, then into a device slot
@@ -148,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(adapters) == 1:  # batch 1, against the base engine's right after
                 one_s = engine_batch1(engine, one, args.batch1_tokens, adapters_of(engine, adapters)[0])
                 base_1 = engine_batch1(base_engine, one, args.batch1_tokens)
-            label = f"LoRA, {slots} slots" + (", side stream" if side == "on" else "")
-            rows.append([label, what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
+            rows.append([f"LoRA, {slots} slots" + ("" if pdl == "on" else ", no PDL"), what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
                          f"{2 * tokens_s / (before + after):.2f}",
                          f"{bytes_bound(before, after, args.concurrency, adapters, per_adapter, bandwidth):.2f}",
                          "" if one_s is None else f"{one_s:.1f} ({base_1:.1f})",
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
              f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
              f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 "
              "rows (backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
-             "none. \"side stream\": lora_side_stream on, each projection's adapter products computed on a second "
-             "CUDA stream while its base product runs, then added (into an fp32 delta; off: added in place after it).",
+             "none. \"no PDL\": the LoRA kernels launched without programmatic dependent launch (lora_kernels.PDL).",
              "\"of base if adapters took only their bytes' time\": the base engine's time for the load (its mean "
              "around the row) over that plus, for each decode step, every distinct adapter's "
              f"{per_adapter / 1e6:.1f} MB read once at this run's copy bandwidth: what LoRA kernels reading at that "

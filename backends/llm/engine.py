@@ -93,8 +93,6 @@ class EngineConfig(QosParams):
     max_lora_rank: int = bounded(16, 1)  # adapters of higher rank are refused; lower ranks are padded
     max_cpu_loras: int | None = bounded(None, 1)  # adapters kept on the host (default 4 x max_loras)
     lora_root: str = "adapters"  # folder of PEFT adapter folders (+ an optional router); relative: to the model folder
-    lora_side_stream: bool = False  # CUDA: a projection's adapter products run on a second stream while its base
-    # product runs, and are added after it (lora.py); off: after it, on the same stream
     response_threads: int = bounded(2, 1)  # served models: threads sending the streams' responses (core/outbox.py)
     speculative: str = choice("off", "ngram", "draft")  # speculative decoding's proposer (speculative.py): prompt
     # lookup, or a small draft model with the same tokenizer (draft_model)
@@ -185,8 +183,7 @@ class LLMEngine:
         self.eos_ids = tuple(sorted(eos))
         self.adapters = None  # LoRA: device slots first, so the KV budget counts them
         if config.max_loras:
-            slots = LoraSlots(args, config.max_loras, config.max_lora_rank, self.dtype, self.device,
-                              config.lora_side_stream, self.model.kernels.add_delta)
+            slots = LoraSlots(args, config.max_loras, config.max_lora_rank, self.dtype, self.device)
             self.adapters = AdapterCache(Path(checkpoint) / config.lora_root, args, slots,
                                          config.max_cpu_loras or 4 * config.max_loras)
             log.info("LoRA: %d device slots of rank %d (%.0f MiB), adapters from %s", config.max_loras,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from backends.llm.adapters import LoraAdapter, projection_shapes
-from backends.llm.model import ModelArgs, add_delta
+from backends.llm.model import ModelArgs
 
 # the engine's fused projections and the PEFT modules they hold, in order
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"),
@@ -65,27 +65,6 @@ class ProjectionSlots:
     b: torch.Tensor
     widths: tuple[int, ...]
 
-    def begin(self, x: torch.Tensor, step: LoraStep) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Start the adapter products of the rows of `x`; the returned function adds them to the base product's
-        output. With a side stream they run there while the base product runs: into an fp32 delta, added after as
-        the in-place sum rounds (bf16(out + acc)). Without one they are added in place once the output exists."""
-        stream = step.slots.stream
-        if stream is None:
-            def add_in_place(out: torch.Tensor) -> torch.Tensor:
-                self.add_to(out, x, step)
-                return out
-            return add_in_place
-        main = torch.cuda.current_stream(x.device)
-        stream.wait_stream(main)  # x is ready
-        with torch.cuda.stream(stream):
-            delta = torch.zeros(x.shape[0], self.b.shape[2], dtype=torch.float32, device=x.device)
-            self.add_to(delta, x, step)
-
-        def add_products(out: torch.Tensor) -> torch.Tensor:
-            main.wait_stream(stream)
-            return step.slots.add_delta(out, delta)
-        return add_products
-
     def add_to(self, out: torch.Tensor, x: torch.Tensor, step: LoraStep) -> None:
         """out [T, out] += each tiled row's w (x A^T) B, in place."""
         if out.is_cuda:
@@ -107,14 +86,9 @@ class ProjectionSlots:
 class LoraSlots:
     """`num_slots` adapters of rank up to `max_rank` on the device, for every layer and projection."""
 
-    def __init__(self, args: ModelArgs, num_slots: int, max_rank: int, dtype: torch.dtype, device,
-                 side_stream: bool = False,
-                 add_delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = add_delta):
+    def __init__(self, args: ModelArgs, num_slots: int, max_rank: int, dtype: torch.dtype, device):
         shapes = projection_shapes(args)
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
-        cuda = torch.device(device).type == "cuda"
-        self.stream = torch.cuda.Stream(device) if side_stream and cuda else None  # see ProjectionSlots.begin
-        self.add_delta = add_delta  # the model's (Kernels: compiled on a GPU)
         self.layers: list[dict[str, ProjectionSlots]] = []
         for _ in range(args.num_hidden_layers):
             layer = {}
@@ -157,7 +131,7 @@ class LoraStep:
     weights: torch.Tensor
     tile_count: torch.Tensor
 
-    def layer(self, index: int) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
-        """Projection name -> x -> (out -> out + its adapter products), for layer `index` (ProjectionSlots.begin)."""
-        return {name: functools.partial(projection.begin, step=self)
+    def layer(self, index: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
+        """Projection name -> (out, x) -> out += its adapter products, for layer `index`."""
+        return {name: functools.partial(projection.add_to, step=self)
                 for name, projection in self.slots.layers[index].items()}

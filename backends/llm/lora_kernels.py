@@ -16,7 +16,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from backends.llm.gemv import launch, pdl_runs_on
 from backends.llm.lora import TILE_ROWS  # rows of one tile (tl.dot needs at least 16)
 
 # block configuration: the best of perf.lora_kernels' sweep on the H200 (perf/results/h200/2026-12-04-lora-kernels*)
@@ -27,14 +29,21 @@ BLOCK_N = 256  # output features of one expand block
 CHUNK = 4  # expand blocks of one program
 EXPAND_WARPS = 4
 PROGRAMS_PER_SM = 8
+PDL = True  # programmatic dependent launch where the GPU has it (gemv.pdl_runs_on): see _shrink_kernel
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, xa_ptr, rows_total, stride_x,
                    K: tl.constexpr, R: tl.constexpr, SLOTS: tl.constexpr, PARTS: tl.constexpr, SPLITS: tl.constexpr,
                    MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr, BK: tl.constexpr,
-                   K_SPLIT: tl.constexpr, PRECISION: tl.constexpr):
-    """Work item (tile, part, split): xa[split, row, j, part, :] = w_j * x[row, split's K] A[part, slot_j]^T."""
+                   K_SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Work item (tile, part, split): xa[split, row, j, part, :] = w_j * x[row, split's K] A[part, slot_j]^T.
+    PDL: the kernels are launched before the kernel ahead of them ends (the base product, then this one for expand)
+    and read what no kernel of the step writes (the tile plan, the rows, the adapters) before gdc_wait, which they
+    call before reading what it wrote (x; xa and the output in expand). Every program calls it, those without work
+    too, so each kernel ends after the one before it."""
+    if PDL:
+        gdc_launch_dependents()  # expand may start: it waits for this kernel's end before reading xa
     m, r, ks = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BK)
     items = tl.load(tile_count_ptr) * (PARTS * SPLITS)
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
@@ -44,6 +53,8 @@ def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_pt
         start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
         in_tile = m < count
         rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
+        if PDL:
+            gdc_wait()
         for j in tl.static_range(MIXED):
             w = tl.load(weights_ptr + tile * MIXED + j)
             if w != 0:
@@ -57,6 +68,8 @@ def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_pt
                     acc = tl.dot(xk, ak, acc, input_precision=PRECISION)
                 out = xa_ptr + (((split * rows_total + rows[:, None]) * MIXED + j) * PARTS + part) * R_PAD + r[None, :]
                 tl.store(out, acc * w, mask=in_tile[:, None])
+    if PDL:
+        gdc_wait()
 
 
 @triton.jit
@@ -74,7 +87,7 @@ def _tile_xa(xa_ptr, rows, in_tile, r, j, part, rows_total, PARTS: tl.constexpr,
 def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total, stride_out,
                    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr, PARTS: tl.constexpr,
                    SPLITS: tl.constexpr, MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr,
-                   BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+                   BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, part, chunk): out[rows, the chunk's columns of the part] += sum_j xa[rows, j, part] B[slot_j].
     The tile's rows and xa are read once, then CHUNK column blocks of BN, each reading a B block per adapter and the
     rows' outputs. B holds the parts side by side ([slots, R, W0 + W1 + W2]).
@@ -99,6 +112,8 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
         next1 = tl.load(b1 + (first + n)[None, :], mask=(r < rank1)[:, None] & (first + n < end)[None, :], other=0.0)
         in_tile = m < count
         rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
+        if PDL:
+            gdc_wait()  # (B's first blocks and the rows were asked for before: see _shrink_kernel)
         xa0 = _tile_xa(xa_ptr, rows, in_tile, r, 0, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
         xa1 = _tile_xa(xa_ptr, rows, m < tl.where(rank1 > 0, count, 0), r, 1, part, rows_total, PARTS, SPLITS, MIXED,
                        R_PAD, BM)
@@ -115,6 +130,8 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
             out = out_ptr + rows[:, None] * stride_out + cols[None, :]
             total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+    elif PDL:
+        gdc_wait()
 
 
 @functools.cache
@@ -138,7 +155,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Te
     _shrink_kernel[(min(programs(x.device), max_tiles * parts * splits),)](
         x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
         SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=xa.shape[-1], BK=block_k, K_SPLIT=k_split,
-        PRECISION=precision(x), num_warps=SHRINK_WARPS)
+        PRECISION=precision(x), PDL=pdl(x), num_warps=SHRINK_WARPS, **launch(pdl(x)))
     return xa
 
 
@@ -153,7 +170,11 @@ def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[i
     _expand_kernel[(tiles.shape[0], parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
         PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
-        PRECISION=precision(b), num_warps=EXPAND_WARPS)  # (the product's operands are b's dtype; out may be fp32)
+        PRECISION=precision(out), PDL=pdl(out), num_warps=EXPAND_WARPS, **launch(pdl(out)))
+
+
+def pdl(t: torch.Tensor) -> bool:
+    return PDL and pdl_runs_on(t.device)
 
 
 def precision(t: torch.Tensor) -> str:

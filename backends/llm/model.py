@@ -104,16 +104,15 @@ def gemv_runs_on(device: torch.device, fp8: bool) -> bool:
 
 def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, gated: bool = False,
             residual: torch.Tensor | None = None,
-            lora: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None = None) -> torch.Tensor:
+            lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
     """g(linear(f(x)) (+ adapters(f(x)))) (+ residual), f = the RMSNorm `norm` or nothing, g = SiLU(gate) * up of the
     output's halves (`gated`) or nothing: one GEMV kernel with its neighbours fused where gemv_operands allows, else
-    the separate ops (linear's forward sees its own input). With adapters, f(x) is made once for both products:
-    `lora(f(x))` starts theirs (backends/llm/lora.py), and what it returns adds them to the output before g and the
-    residual (PEFT's order)."""
+    the separate ops (linear's forward sees its own input). With adapters, f(x) is made once for both products, and
+    `lora(out, f(x))` adds theirs into the output before g and the residual (PEFT's order)."""
     if lora is not None:
         x = x if norm is None else norm(x)
-        finish = lora(x)
-        out = finish(project(linear, x, kernels))
+        out = project(linear, x, kernels)
+        lora(out, x)
     elif (operands := gemv_operands(linear, x, kernels)) is not None:
         from backends.llm.gemv import gemv
 
@@ -145,11 +144,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def add_delta(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """out + an fp32 delta, rounded once to out's dtype (LoRA products computed beside the base product)."""
-    return (out.float() + delta).to(out.dtype)
-
-
 class Kernels:
     """The elementwise pieces of a layer. `compiled()` gives torch.compile'd versions (one fused kernel each instead
     of five to ten small ones; worth it on GPU, where a decode step is mostly such kernels). `gemv`: whether
@@ -158,7 +152,6 @@ class Kernels:
 
     rms_norm, rotate, silu_mul = staticmethod(rms_norm), staticmethod(rotate), staticmethod(silu_mul)
     quantize_tokens = staticmethod(quantize_tokens)  # FP8 layers' activations
-    add_delta = staticmethod(add_delta)
 
     def __init__(self, gemv: bool = True, rope_cache: bool = False):
         self.gemv, self.rope_cache = gemv, rope_cache
@@ -166,7 +159,7 @@ class Kernels:
     @classmethod
     def compiled(cls, gemv: bool = True) -> Kernels:
         kernels = cls(gemv, rope_cache=True)
-        for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens", "add_delta"):
+        for name in ("rms_norm", "rotate", "silu_mul", "quantize_tokens"):
             setattr(kernels, name, torch.compile(getattr(cls, name), dynamic=True))
         return kernels
 

@@ -78,16 +78,11 @@ CASES = {
     "lora-shrink": ("backends.llm.lora_kernels", "_shrink_kernel", {**LORA_POINTERS, "x_ptr": "*bf16", "a_ptr": "*bf16"},
                     {"rows_total": "i32", "stride_x": "i32"},
                     dict(K=4096, R=16, SLOTS=64, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BK=128, K_SPLIT=1024,
-                         PRECISION="tf32")),
+                         PRECISION="tf32", PDL=True)),
     "lora-expand": ("backends.llm.lora_kernels", "_expand_kernel",
                     {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"}, {"rows_total": "i32", "stride_out": "i32"},
                     dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256, CHUNK=4,
-                         PRECISION="tf32")),
-    "lora-expand-into-fp32": ("backends.llm.lora_kernels", "_expand_kernel",  # lora_side_stream's delta
-                              {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*fp32"},
-                              {"rows_total": "i32", "stride_out": "i32"},
-                              dict(W0=14336, W1=14336, W2=0, R=16, PARTS=2, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256,
-                                   CHUNK=4, PRECISION="tf32")),
+                         PRECISION="tf32", PDL=True)),
 }
 
 

@@ -88,16 +88,10 @@ def make_engine(base, root, **overrides) -> LLMEngine:
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]  # on a GPU: decode steps replay CUDA graphs
 
 
-SIDE_STREAM = [("cuda", False, True)] if torch.cuda.is_available() else []  # (CUDA only)
-
-
-@pytest.mark.parametrize("device,overlap,side_stream",
-                         [(device, False, False) for device in DEVICES] + [(DEVICES[-1], True, False)] + SIDE_STREAM)
-def test_each_row_of_a_mixed_batch_equals_peft_with_its_adapter(base, root, peft_greedy, device, overlap, side_stream):
-    """(`overlap`: decode steps launched ahead of their tokens keep each row's adapters; `side_stream`: so do adapter
-    products computed beside the base products, in CUDA graphs and eager prefill steps.)"""
-    engine = make_engine(base, root, device=device, overlap_steps=overlap, lora_side_stream=side_stream)
-    assert (engine.adapters.slots.stream is not None) == side_stream
+@pytest.mark.parametrize("device,overlap", [(device, False) for device in DEVICES] + [(DEVICES[-1], True)])
+def test_each_row_of_a_mixed_batch_equals_peft_with_its_adapter(base, root, peft_greedy, device, overlap):
+    """(`overlap`: decode steps launched ahead of their tokens keep each row's adapters.)"""
+    engine = make_engine(base, root, device=device, overlap_steps=overlap)
     router = load_router(root, engine.model.args)
     rows = []  # (prompt, lora_id, what peft applies)
     for i, prompt in enumerate(PROMPTS):
@@ -212,7 +206,7 @@ def step_of(slots: LoraSlots, rows: list[tuple[list[int], list[float]]], device=
 
 
 def test_the_slot_product_equals_each_rows_own_adapter(base):
-    """A projection's adapter products against x A^T B^T per row, for fused parts, padded ranks and a mix of two."""
+    """ProjectionSlots.add_to against x A^T B^T per row, for fused parts, padded ranks and a two-adapter mix."""
     args = ModelArgs.from_checkpoint(base)
     slots = LoraSlots(args, 3, 8, torch.float64, "cpu")
     torch.manual_seed(0)
@@ -226,7 +220,8 @@ def test_the_slot_product_equals_each_rows_own_adapter(base):
     x = torch.randn(4, args.hidden_size, dtype=torch.float64)
     step = step_of(slots, [([0, 0], [0.5, 0.0]), ([1, 0], [2.0, 0.0]), ([2, 1], [0.25, 0.75]), ([0, 0], [0.0, 0.0])])
     base = torch.randn(4, q + 2 * kv, dtype=torch.float64)
-    got = step.layer(0)["qkv_proj"](x)(base.clone())
+    got = base.clone()
+    step.layer(0)["qkv_proj"](got, x)
 
     def own(row, index):
         return torch.cat([x[row] @ a.t() @ b.t() for a, b in weights[index].values()])

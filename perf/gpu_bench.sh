@@ -62,7 +62,8 @@
 #   device-x2, that with 2 encoder instances; single-device, the model alone with preprocessing on the GPU
 #   (single-device-xN: N instances of it; single-device-compile: its engine through torch.compile;
 #   single-device-compile-adaptive: that batched by our batcher, which prepares the next requests while the engine
-#   runs, instead of Triton's); ENSEMBLE_ARGS: more arguments, e.g. "--image-sets thumbnails --concurrency 16 64
+#   runs, instead of Triton's; single-device-compile-delayN: Triton's batcher waiting up to N us instead of 2000);
+#   ENSEMBLE_ARGS: more arguments, e.g. "--image-sets thumbnails --concurrency 16 64
 #   --label x")
 set -euo pipefail
 bundle="$(realpath "${1:?usage: perf/gpu_bench.sh BUNDLE.tar.xz [RESULTS_DIR]}")"
@@ -131,6 +132,8 @@ if [[ " ${SCENARIOS:-images} " == *" ensembles "* ]]; then
       single-device-compile) flags=(--preprocess-on-device true --torch-compile true) ;;
       single-device-compile-adaptive) flags=(--preprocess-on-device true --torch-compile true
                                             --batch-window adaptive) ;;
+      single-device-compile-delay*) flags=(--preprocess-on-device true --torch-compile true
+                                          --max-queue-delay-us "${variant#single-device-compile-delay}") ;;
       ensemble) flags=(--ensemble --preprocess-instances "${ENSEMBLE_INSTANCES:-4}") ;;
       device) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true) ;;
       device-x2) flags=(--ensemble --preprocess-instances "${DEVICE_INSTANCES:-2}" --preprocess-on-device true \

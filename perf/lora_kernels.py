@@ -23,9 +23,9 @@ from perf.report import hardware_line, write_table
 
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
-SHRINK = [{}, {"SHRINK_WARPS": 4}, {"BLOCK_K": 128}]  # the defaults, then changes to them
-EXPAND = [{}, {"BLOCK_N": 128, "CHUNK": 8}, {"BLOCK_N": 128, "CHUNK": 4}, {"EXPAND_WARPS": 8}, {"CHUNK": 8},
-          {"CHUNK": 16}]  # (longer programs: the chain of reads paid once)
+SHRINK = [{}, {"K_SPLIT": 512}, {"BLOCK_K": 128}]  # the defaults, then changes to them
+EXPAND = [{}, {"CHUNK": 2}, {"CHUNK": 1}, {"BLOCK_N": 128, "CHUNK": 2}, {"BLOCK_N": 512, "CHUNK": 1},
+          {"BLOCK_N": 512, "CHUNK": 2}]  # (shorter programs, more of them: CHUNK 8 and 16 were slower on 12-05)
 
 
 def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             if len(adapters) == 1:  # batch 1, against the base engine's right after
                 one_s = engine_batch1(engine, one, args.batch1_tokens, adapters_of(engine, adapters)[0])
                 base_1 = engine_batch1(base_engine, one, args.batch1_tokens)
-            rows.append([f"LoRA, {slots} slots" + ("" if pdl == "on" else ", no PDL"), what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
+            label = f"LoRA, {slots} slots" + ("" if pdl == "on" else ", no PDL")
+            rows.append([label, what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
                          f"{2 * tokens_s / (before + after):.2f}",
                          f"{bytes_bound(before, after, args.concurrency, adapters, per_adapter, bandwidth):.2f}",
                          "" if one_s is None else f"{one_s:.1f} ({base_1:.1f})",

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     per_adapter = (root / names[0] / "adapter_model.safetensors").stat().st_size
     for slots, pdl in ((slots, pdl) for slots in args.distinct for pdl in args.pdl):
-        lora_kernels.PDL = pdl == "on"  # read when the engine captures its CUDA graphs
+        lora_kernels.PDL = pdl == "on"  # read at every launch: this engine's graphs and its eager steps
         start = time.perf_counter()
         engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
         sync(device)

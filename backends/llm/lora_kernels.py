@@ -152,10 +152,11 @@ def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Te
     splits = triton.cdiv(k, k_split)
     xa = torch.empty(splits, rows_total, mixed, parts, max(16, triton.next_power_of_2(rank)), dtype=torch.float32,
                      device=x.device)
+    early = pdl(x)
     _shrink_kernel[(min(programs(x.device), max_tiles * parts * splits),)](
         x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
         SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=xa.shape[-1], BK=block_k, K_SPLIT=k_split,
-        PRECISION=precision(x), PDL=pdl(x), num_warps=SHRINK_WARPS, **launch(pdl(x)))
+        PRECISION=precision(x), PDL=early, num_warps=SHRINK_WARPS, **launch(early))
     return xa
 
 
@@ -167,13 +168,15 @@ def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[i
     block_n = min(BLOCK_N, max(16, triton.next_power_of_2(max(widths))))
     chunk = min(CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
     chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
+    early = pdl(out)
     _expand_kernel[(tiles.shape[0], parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
         PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
-        PRECISION=precision(out), PDL=pdl(out), num_warps=EXPAND_WARPS, **launch(pdl(out)))
+        PRECISION=precision(out), PDL=early, num_warps=EXPAND_WARPS, **launch(early))
 
 
 def pdl(t: torch.Tensor) -> bool:
+    """Launch with PDL (read at every launch, and kept by the CUDA graphs that capture one)."""
     return PDL and pdl_runs_on(t.device)
 
 

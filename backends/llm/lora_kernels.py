@@ -28,6 +28,7 @@ SHRINK_WARPS = 2
 BLOCK_N = 256  # output features of one expand block
 CHUNK = 4  # expand blocks of one program
 EXPAND_WARPS = 4
+EXPAND_STAGES = 0  # 0: B prefetched into registers (_expand_kernel); 2 or more: _expand_pipelined_kernel
 PROGRAMS_PER_SM = 8
 PDL = True  # programmatic dependent launch where the GPU has it (gemv.pdl_runs_on): see _shrink_kernel
 
@@ -134,6 +135,49 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
         gdc_wait()
 
 
+@triton.jit
+def _expand_pipelined_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total,
+                             stride_out, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr,
+                             PARTS: tl.constexpr, SPLITS: tl.constexpr, MIXED: tl.constexpr, BM: tl.constexpr,
+                             R_PAD: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                             PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """_expand_kernel's product with its column blocks in a software-pipelined loop: B's blocks are copied into
+    shared memory STAGES - 1 blocks ahead (cp.async), so the bytes in flight are bounded by shared memory, not by the
+    registers that the manual prefetch of _expand_kernel holds them in (218 a thread: two programs an SM)."""
+    tl.static_assert(MIXED == 2)
+    tile = tl.program_id(0)
+    if tile < tl.load(tile_count_ptr):
+        part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
+        col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
+        end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
+        m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
+        start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
+        rank1 = tl.where(tl.load(weights_ptr + tile * MIXED + 1) != 0, R, 0)
+        b0 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 2) * R + r[:, None]) * (W0 + W1 + W2)
+        b1 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 3) * R + r[:, None]) * (W0 + W1 + W2)
+        in_tile = m < count
+        rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
+        if PDL:
+            gdc_wait()
+        xa0 = _tile_xa(xa_ptr, rows, in_tile, r, 0, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
+        xa1 = _tile_xa(xa_ptr, rows, m < tl.where(rank1 > 0, count, 0), r, 1, part, rows_total, PARTS, SPLITS, MIXED,
+                       R_PAD, BM)
+        xa0, xa1 = xa0.to(b_ptr.dtype.element_ty), xa1.to(b_ptr.dtype.element_ty)
+        first = col0 + chunk * CHUNK * BN
+        for block in tl.range(0, CHUNK, num_stages=STAGES):
+            cols = first + block * BN + n
+            inside = (cols < end)[None, :]
+            blk0 = tl.load(b0 + cols[None, :], mask=(r < R)[:, None] & inside, other=0.0)
+            blk1 = tl.load(b1 + cols[None, :], mask=(r < rank1)[:, None] & inside, other=0.0)
+            acc = tl.dot(xa1, blk1, tl.dot(xa0, blk0, input_precision=PRECISION), input_precision=PRECISION)
+            mask = in_tile[:, None] & inside
+            out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+            total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+    elif PDL:
+        gdc_wait()
+
+
 @functools.cache
 def programs(device: torch.device) -> int:
     """Enough resident programs to keep every SM's memory requests in flight."""
@@ -169,10 +213,11 @@ def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[i
     chunk = min(CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
     chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
     early = pdl(out)
-    _expand_kernel[(tiles.shape[0], parts * chunks)](
+    kernel, stages = (_expand_pipelined_kernel, {"STAGES": EXPAND_STAGES}) if EXPAND_STAGES > 1 else (_expand_kernel, {})
+    kernel[(tiles.shape[0], parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
         PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
-        PRECISION=precision(out), PDL=early, num_warps=EXPAND_WARPS, **launch(early))
+        PRECISION=precision(out), PDL=early, num_warps=EXPAND_WARPS, **stages, **launch(early))
 
 
 def pdl(t: torch.Tensor) -> bool:

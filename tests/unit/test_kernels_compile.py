@@ -83,6 +83,11 @@ CASES = {
                     {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"}, {"rows_total": "i32", "stride_out": "i32"},
                     dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256, CHUNK=4,
                          PRECISION="tf32", PDL=True)),
+    "lora-expand-pipelined": ("backends.llm.lora_kernels", "_expand_pipelined_kernel",
+                              {**LORA_POINTERS, "b_ptr": "*bf16", "out_ptr": "*bf16"},
+                              {"rows_total": "i32", "stride_out": "i32"},
+                              dict(W0=4096, W1=1024, W2=1024, R=16, PARTS=3, SPLITS=4, MIXED=2, BM=16, R_PAD=16, BN=256,
+                                   CHUNK=8, STAGES=3, PRECISION="tf32", PDL=True)),
 }
 
 

@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pdl", nargs="+", choices=["on", "off"], default=["on"],
                         help="each LoRA engine with its kernels launched with programmatic dependent launch "
                         "(lora_kernels.PDL) and / or without, side by side")
+    parser.add_argument("--expand-stages", type=int, nargs="+", default=[lora_kernels.EXPAND_STAGES],
+                        help="each LoRA engine with each of these lora_kernels.EXPAND_STAGES (0: B prefetched into "
+                        "registers; 2 or more: the software-pipelined expand), side by side")
     parser.add_argument("--profile", action="store_true", help="instead: torch.profiler over the prefill step and the "
                         "first decode steps of the load on the largest engine, with its adapters and without")
     parser.add_argument("--scenario", default="lora-engine")
@@ -122,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return engine_concurrent(base_engine, batch, args.output_tokens)
     rows = []
     per_adapter = (root / names[0] / "adapter_model.safetensors").stat().st_size
-    for slots, pdl in ((slots, pdl) for slots in args.distinct for pdl in args.pdl):
+    for slots, pdl, stages in ((slots, pdl, stages) for slots in args.distinct for pdl in args.pdl
+                               for stages in args.expand_stages):
         lora_kernels.PDL = pdl == "on"  # read at every launch: this engine's graphs and its eager steps
+        lora_kernels.EXPAND_STAGES = stages
         start = time.perf_counter()
         engine = LLMEngine(checkpoint, EngineConfig(**base_config, max_loras=slots), weights)
         sync(device)
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             if len(adapters) == 1:  # batch 1, against the base engine's right after
                 one_s = engine_batch1(engine, one, args.batch1_tokens, adapters_of(engine, adapters)[0])
                 base_1 = engine_batch1(base_engine, one, args.batch1_tokens)
-            label = f"LoRA, {slots} slots" + ("" if pdl == "on" else ", no PDL")
+            label = f"LoRA, {slots} slots" + ("" if pdl == "on" else ", no PDL") + (
+                f", expand stages {stages}" if len(args.expand_stages) > 1 else "")
             rows.append([label, what, f"{tokens_s:.1f}", f"{before:.1f} / {after:.1f}",
                          f"{2 * tokens_s / (before + after):.2f}",
                          f"{bytes_bound(before, after, args.concurrency, adapters, per_adapter, bandwidth):.2f}",
@@ -169,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
              f"Adapters: rank {args.rank} on q, k, v, o, gate, up and down of every layer, "
              f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 "
              "rows (backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
-             "none. \"no PDL\": the LoRA kernels launched without programmatic dependent launch (lora_kernels.PDL).",
+             "none. \"no PDL\": the LoRA kernels launched without programmatic dependent launch (lora_kernels.PDL); "
+             "\"expand stages N\": lora_kernels.EXPAND_STAGES = N (0: B's blocks prefetched into registers, 2 or more: "
+             "the software-pipelined expand).",
              "\"of base if adapters took only their bytes' time\": the base engine's time for the load (its mean "
              "around the row) over that plus, for each decode step, every distinct adapter's "
              f"{per_adapter / 1e6:.1f} MB read once at this run's copy bandwidth: what LoRA kernels reading at that "

@@ -27,7 +27,8 @@ SHRINK = [{}, {"K_SPLIT": 512}, {"BLOCK_K": 128}]  # the defaults, then changes 
 # the software-pipelined expand at a few depths and program lengths (the register-prefetching one at other block
 # sizes: perf/results/h100/2026-12-07-lora-kernels.md)
 EXPAND = [{}, {"EXPAND_STAGES": 3}, {"EXPAND_STAGES": 3, "CHUNK": 8}, {"EXPAND_STAGES": 4, "CHUNK": 16},
-          {"EXPAND_STAGES": 3, "CHUNK": 8, "EXPAND_WARPS": 8}, {"EXPAND_STAGES": 2, "CHUNK": 8}]
+          {"EXPAND_STAGES": 3, "CHUNK": 8, "EXPAND_WARPS": 8}, {"EXPAND_STAGES": 2, "CHUNK": 8},
+          {"EXPAND_STAGES": 4, "CHUNK": 16, "BLOCK_N": 128}]
 
 
 def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:

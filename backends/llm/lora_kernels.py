@@ -143,18 +143,23 @@ def _expand_pipelined_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weight
                              PRECISION: tl.constexpr, PDL: tl.constexpr):
     """_expand_kernel's product with its column blocks in a software-pipelined loop: B's blocks are copied into
     shared memory STAGES - 1 blocks ahead (cp.async), so the bytes in flight are bounded by shared memory, not by the
-    registers that the manual prefetch of _expand_kernel holds them in (218 a thread: two programs an SM)."""
+    registers that the manual prefetch of _expand_kernel holds them in (120 a thread: four programs an SM). The
+    tile's entry is read beside the number of tiles, not after it (the buffer holds max_tiles entries): one round
+    trip fewer before B's first blocks are asked for."""
     tl.static_assert(MIXED == 2)
     tile = tl.program_id(0)
-    if tile < tl.load(tile_count_ptr):
+    used = tl.load(tile_count_ptr)
+    start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
+    slot0, slot1 = tl.load(tiles_ptr + tile * 4 + 2), tl.load(tiles_ptr + tile * 4 + 3)
+    mixes = tl.load(weights_ptr + tile * MIXED + 1) != 0
+    if tile < used:
         part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
         col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
         end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
         m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
-        start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
-        rank1 = tl.where(tl.load(weights_ptr + tile * MIXED + 1) != 0, R, 0)
-        b0 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 2) * R + r[:, None]) * (W0 + W1 + W2)
-        b1 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 3) * R + r[:, None]) * (W0 + W1 + W2)
+        rank1 = tl.where(mixes, R, 0)
+        b0 = b_ptr + (slot0 * R + r[:, None]) * (W0 + W1 + W2)
+        b1 = b_ptr + (slot1 * R + r[:, None]) * (W0 + W1 + W2)
         in_tile = m < count
         rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
         if PDL:

@@ -145,17 +145,19 @@ def _expand_pipelined_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weight
     shared memory STAGES - 1 blocks ahead (cp.async), so the bytes in flight are bounded by shared memory, not by the
     registers that the manual prefetch of _expand_kernel holds them in (120 a thread: four programs an SM). The
     tile's entry is read beside the number of tiles, not after it (the buffer holds max_tiles entries): one round
-    trip fewer before B's first blocks are asked for."""
+    trip fewer before B's first blocks are asked for; programs whose columns lie past their part (the narrower parts
+    of qkv) return at once; each block's outputs are asked for before its product."""
     tl.static_assert(MIXED == 2)
     tile = tl.program_id(0)
     used = tl.load(tile_count_ptr)
     start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
     slot0, slot1 = tl.load(tiles_ptr + tile * 4 + 2), tl.load(tiles_ptr + tile * 4 + 3)
     mixes = tl.load(weights_ptr + tile * MIXED + 1) != 0
-    if tile < used:
-        part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
-        col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
-        end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
+    part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
+    col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
+    end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
+    first = col0 + chunk * CHUNK * BN
+    if (tile < used) & (first < end):
         m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
         rank1 = tl.where(mixes, R, 0)
         b0 = b_ptr + (slot0 * R + r[:, None]) * (W0 + W1 + W2)
@@ -168,17 +170,16 @@ def _expand_pipelined_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weight
         xa1 = _tile_xa(xa_ptr, rows, m < tl.where(rank1 > 0, count, 0), r, 1, part, rows_total, PARTS, SPLITS, MIXED,
                        R_PAD, BM)
         xa0, xa1 = xa0.to(b_ptr.dtype.element_ty), xa1.to(b_ptr.dtype.element_ty)
-        first = col0 + chunk * CHUNK * BN
         for block in tl.range(0, CHUNK, num_stages=STAGES):
             cols = first + block * BN + n
             inside = (cols < end)[None, :]
-            blk0 = tl.load(b0 + cols[None, :], mask=(r < R)[:, None] & inside, other=0.0)
-            blk1 = tl.load(b1 + cols[None, :], mask=(r < rank1)[:, None] & inside, other=0.0)
-            acc = tl.dot(xa1, blk1, tl.dot(xa0, blk0, input_precision=PRECISION), input_precision=PRECISION)
             mask = in_tile[:, None] & inside
             out = out_ptr + rows[:, None] * stride_out + cols[None, :]
-            total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            before = tl.load(out, mask=mask, other=0.0).to(tl.float32)
+            blk0 = tl.load(b0 + cols[None, :], mask=(r < R)[:, None] & inside, other=0.0)
+            blk1 = tl.load(b1 + cols[None, :], mask=(r < rank1)[:, None] & inside, other=0.0)
+            acc = tl.dot(xa1, blk1, tl.dot(xa0, blk0, before, input_precision=PRECISION), input_precision=PRECISION)
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
     elif PDL:
         gdc_wait()
 

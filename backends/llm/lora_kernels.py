@@ -219,7 +219,8 @@ def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[i
     chunk = min(CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
     chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
     early = pdl(out)
-    kernel, stages = (_expand_pipelined_kernel, {"STAGES": EXPAND_STAGES}) if EXPAND_STAGES > 1 else (_expand_kernel, {})
+    pipelined = EXPAND_STAGES > 1
+    kernel, stages = (_expand_pipelined_kernel, {"STAGES": EXPAND_STAGES}) if pipelined else (_expand_kernel, {})
     kernel[(tiles.shape[0], parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
         PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="each LoRA engine with its kernels launched with programmatic dependent launch "
                         "(lora_kernels.PDL) and / or without, side by side")
     parser.add_argument("--expand-stages", type=int, nargs="+", default=[lora_kernels.EXPAND_STAGES],
-                        help="each LoRA engine with each of these lora_kernels.EXPAND_STAGES (0: B prefetched into "
-                        "registers; 2 or more: the software-pipelined expand), side by side")
+                        help="each LoRA engine with each of these lora_kernels.EXPAND_STAGES (the expand's blocks in "
+                        "flight through shared memory, at least 2), side by side")
     parser.add_argument("--profile", action="store_true", help="instead: torch.profiler over the prefill step and the "
                         "first decode steps of the load on the largest engine, with its adapters and without")
     parser.add_argument("--scenario", default="lora-engine")
@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{per_adapter / 2**20:.0f} MiB each in bf16. A step's rows are grouped by adapter into tiles of up to 16 "
              "rows (backends/llm/lora.py, lora_kernels.py): each tile reads its adapter's weights, rows without one read "
              "none. \"no PDL\": the LoRA kernels launched without programmatic dependent launch (lora_kernels.PDL); "
-             "\"expand stages N\": lora_kernels.EXPAND_STAGES = N (0: B's blocks prefetched into registers, 2 or more: "
-             "the software-pipelined expand).",
+             "\"expand stages N\": lora_kernels.EXPAND_STAGES = N (the expand's blocks in flight through shared "
+             "memory).",
              "\"of base if adapters took only their bytes' time\": the base engine's time for the load (its mean "
              "around the row) over that plus, for each decode step, every distinct adapter's "
              f"{per_adapter / 1e6:.1f} MB read once at this run's copy bandwidth: what LoRA kernels reading at that "

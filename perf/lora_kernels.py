@@ -24,11 +24,9 @@ from perf.report import hardware_line, write_table
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
 SHRINK = [{}, {"K_SPLIT": 512}, {"BLOCK_K": 128}]  # the defaults, then changes to them
-# the software-pipelined expand at a few depths and program lengths (the register-prefetching one at other block
-# sizes: perf/results/h100/2026-12-07-lora-kernels.md)
-EXPAND = [{}, {"EXPAND_STAGES": 3}, {"EXPAND_STAGES": 3, "CHUNK": 8}, {"EXPAND_STAGES": 4, "CHUNK": 16},
-          {"EXPAND_STAGES": 3, "CHUNK": 8, "EXPAND_WARPS": 8}, {"EXPAND_STAGES": 2, "CHUNK": 8},
-          {"EXPAND_STAGES": 4, "CHUNK": 16, "BLOCK_N": 128}]
+# the expand at other pipeline depths and program lengths (the H200's sweep of these and more:
+# perf/results/h200/2026-12-07-lora-kernels.md)
+EXPAND = [{}, {"CHUNK": 8}, {"CHUNK": 2}, {"EXPAND_STAGES": 2}, {"EXPAND_STAGES": 4}, {"BLOCK_N": 128, "CHUNK": 8}]
 
 
 def step_tensors(case: str, rows: int, device) -> tuple[torch.Tensor, ...]:

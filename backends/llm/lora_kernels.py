@@ -28,7 +28,7 @@ SHRINK_WARPS = 2
 BLOCK_N = 256  # output features of one expand block
 CHUNK = 4  # expand blocks of one program
 EXPAND_WARPS = 4
-EXPAND_STAGES = 0  # 0: B prefetched into registers (_expand_kernel); 2 or more: _expand_pipelined_kernel
+EXPAND_STAGES = 3  # expand blocks in flight through shared memory (at least 2; H200 2026-12-07)
 PROGRAMS_PER_SM = 8
 PDL = True  # programmatic dependent launch where the GPU has it (gemv.pdl_runs_on): see _shrink_kernel
 
@@ -88,65 +88,17 @@ def _tile_xa(xa_ptr, rows, in_tile, r, j, part, rows_total, PARTS: tl.constexpr,
 def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total, stride_out,
                    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr, PARTS: tl.constexpr,
                    SPLITS: tl.constexpr, MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr,
-                   BN: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   BN: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (tile, part, chunk): out[rows, the chunk's columns of the part] += sum_j xa[rows, j, part] B[slot_j].
     The tile's rows and xa are read once, then CHUNK column blocks of BN, each reading a B block per adapter and the
-    rows' outputs. B holds the parts side by side ([slots, R, W0 + W1 + W2]).
-    A program's reads form a chain (tile -> rows -> xa -> output) that B's blocks need only the first link of: the
-    first blocks of B are requested before the rows, and each next block before the current one's sum, so a read of
-    B is always in flight (loads past the part or of an absent second adapter are masked: no traffic). On the H100
-    this was 1-8% faster per projection than reading each block when summed (perf/results/h100/2026-12-05-lora-*)."""
-    tl.static_assert(MIXED == 2)
-    tile = tl.program_id(0)
-    if tile < tl.load(tile_count_ptr):
-        part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
-        col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
-        end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
-        m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
-        start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
-        # adapter 0 is in every tile, adapter 1 where rows mix two: its rank is 0 where not
-        rank1 = tl.where(tl.load(weights_ptr + tile * MIXED + 1) != 0, R, 0)
-        b0 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 2) * R + r[:, None]) * (W0 + W1 + W2)
-        b1 = b_ptr + (tl.load(tiles_ptr + tile * 4 + 3) * R + r[:, None]) * (W0 + W1 + W2)
-        first = col0 + chunk * CHUNK * BN
-        next0 = tl.load(b0 + (first + n)[None, :], mask=(r < R)[:, None] & (first + n < end)[None, :], other=0.0)
-        next1 = tl.load(b1 + (first + n)[None, :], mask=(r < rank1)[:, None] & (first + n < end)[None, :], other=0.0)
-        in_tile = m < count
-        rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
-        if PDL:
-            gdc_wait()  # (B's first blocks and the rows were asked for before: see _shrink_kernel)
-        xa0 = _tile_xa(xa_ptr, rows, in_tile, r, 0, part, rows_total, PARTS, SPLITS, MIXED, R_PAD, BM)
-        xa1 = _tile_xa(xa_ptr, rows, m < tl.where(rank1 > 0, count, 0), r, 1, part, rows_total, PARTS, SPLITS, MIXED,
-                       R_PAD, BM)
-        xa0, xa1 = xa0.to(b_ptr.dtype.element_ty), xa1.to(b_ptr.dtype.element_ty)
-        for block in tl.static_range(CHUNK):
-            cols = first + block * BN + n
-            blk0, blk1 = next0, next1
-            if block + 1 < CHUNK:  # (unrolled: decided when compiling)
-                following = (cols + BN < end)[None, :]
-                next0 = tl.load(b0 + (cols + BN)[None, :], mask=(r < R)[:, None] & following, other=0.0)
-                next1 = tl.load(b1 + (cols + BN)[None, :], mask=(r < rank1)[:, None] & following, other=0.0)
-            acc = tl.dot(xa1, blk1, tl.dot(xa0, blk0, input_precision=PRECISION), input_precision=PRECISION)
-            mask = in_tile[:, None] & (cols < end)[None, :]
-            out = out_ptr + rows[:, None] * stride_out + cols[None, :]
-            total = tl.load(out, mask=mask, other=0.0).to(tl.float32) + acc
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
-    elif PDL:
-        gdc_wait()
-
-
-@triton.jit
-def _expand_pipelined_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_ptr, rows_total,
-                             stride_out, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, R: tl.constexpr,
-                             PARTS: tl.constexpr, SPLITS: tl.constexpr, MIXED: tl.constexpr, BM: tl.constexpr,
-                             R_PAD: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
-                             PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """_expand_kernel's product with its column blocks in a software-pipelined loop: B's blocks are copied into
-    shared memory STAGES - 1 blocks ahead (cp.async), so the bytes in flight are bounded by shared memory, not by the
-    registers that the manual prefetch of _expand_kernel holds them in (120 a thread: four programs an SM). The
-    tile's entry is read beside the number of tiles, not after it (the buffer holds max_tiles entries): one round
-    trip fewer before B's first blocks are asked for; programs whose columns lie past their part (the narrower parts
-    of qkv) return at once; each block's outputs are asked for before its product."""
+    rows' outputs (B holds the parts side by side: [slots, R, W0 + W1 + W2]), in a software-pipelined loop: B's
+    blocks and the outputs are copied into shared memory STAGES - 1 blocks ahead (cp.async), so the bytes in flight
+    are bounded by shared memory, not registers. A program's reads form a chain (tile -> rows -> xa -> output); the
+    tile's entry is read beside the number of tiles, not after it (the buffer holds max_tiles entries), and programs
+    whose columns lie past their part (the narrower parts of qkv) return at once. On the H200 this took a layer's
+    expands from 70.2 to 52.0 us with 64 distinct adapters against B prefetched into registers (120 registers a
+    thread, four programs an SM; perf/results/h200/2026-12-07-lora-kernels.md)."""
     tl.static_assert(MIXED == 2)
     tile = tl.program_id(0)
     used = tl.load(tile_count_ptr)
@@ -219,12 +171,10 @@ def expand(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, widths: tuple[i
     chunk = min(CHUNK, triton.cdiv(max(widths), block_n))  # column blocks a program adds
     chunks = triton.cdiv(triton.cdiv(max(widths), block_n), chunk)
     early = pdl(out)
-    pipelined = EXPAND_STAGES > 1
-    kernel, stages = (_expand_pipelined_kernel, {"STAGES": EXPAND_STAGES}) if pipelined else (_expand_kernel, {})
-    kernel[(tiles.shape[0], parts * chunks)](
+    _expand_kernel[(tiles.shape[0], parts * chunks)](
         xa, b, out, perm, tiles, weights, tile_count, rows_total, out.stride(0), W0=w0, W1=w1, W2=w2, R=b.shape[1],
         PARTS=parts, SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=r_pad, BN=block_n, CHUNK=chunk,
-        PRECISION=precision(out), PDL=early, num_warps=EXPAND_WARPS, **stages, **launch(early))
+        STAGES=EXPAND_STAGES, PRECISION=precision(out), PDL=early, num_warps=EXPAND_WARPS, **launch(early))
 
 
 def pdl(t: torch.Tensor) -> bool:

@@ -241,10 +241,9 @@ def test_tiles_group_rows_by_their_adapters_and_skip_rows_without():
     assert run.tiles[:, :2].tolist() == [[0, 16], [16, 16], [32, 8]] and run.perm.tolist() == list(range(3, 43))
 
 
-@pytest.mark.parametrize("stages", [0, 3])
 @pytest.mark.parametrize("k_split,programs,dtype", [(1024, 64, torch.float32), (32, 3, torch.float32)]
                          + ([(1024, 1056, torch.bfloat16)] if torch.cuda.is_available() else []))
-def test_lora_kernels_equal_each_rows_own_adapters(monkeypatch, k_split, programs, dtype, stages):
+def test_lora_kernels_equal_each_rows_own_adapters(monkeypatch, k_split, programs, dtype):
     """backends/llm/lora_kernels.py (Triton's interpreter here; the compiled kernel on a GPU) against x A^T B per row:
     shared and distinct adapters, tiles of several rows, a two-adapter mix, rows without adapters, padded ranks,
     parts whose widths are not multiples of the column block, K in several splits, fewer programs than work, several
@@ -254,7 +253,6 @@ def test_lora_kernels_equal_each_rows_own_adapters(monkeypatch, k_split, program
     monkeypatch.setattr(kernels, "K_SPLIT", k_split)
     monkeypatch.setattr(kernels, "BLOCK_K", min(kernels.BLOCK_K, k_split))
     monkeypatch.setattr(kernels, "programs", lambda device: programs)
-    monkeypatch.setattr(kernels, "EXPAND_STAGES", stages)  # 3: the software-pipelined expand
     if k_split < 1024:  # column blocks of 32, two a program: chunks that end inside or past a part
         monkeypatch.setattr(kernels, "BLOCK_N", 32)
         monkeypatch.setattr(kernels, "CHUNK", 2)

@@ -1,6 +1,7 @@
-"""Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows (op by
-op and from CUDA graphs), clips joining (features + encoder + cross-attention keys/values) 1, 4 or 16 at a time, and
-the engine's loop with every slot busy split into joins, decoder steps and the rest (host work between steps).
+"""Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows and
+clips joining (features + encoder + cross-attention keys/values) 1, 4 or 16 at a time, each op by op and from CUDA
+graphs, and the engine's loop with every slot busy split into joins, decoder steps and the rest (host work between
+steps).
 Milliseconds, the device synchronised after each part (so in the loop the encoders of joining clips do not overlap
 the decoder steps as they do in the engine's own loop: see `whole step, unsynchronised`).
 
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     eager = SlotDecoder(engine.model, max(ROWS), graphs=False)
     frames, width = engine.model.config.max_source_positions, engine.model.config.d_model
     encoded = torch.randn(max(ROWS), frames, width, dtype=engine.dtype, device=engine.device)
-    engine.decoder.join(list(range(max(ROWS))), encoded)
-    eager.join(list(range(max(ROWS))), encoded)
+    every_slot = torch.arange(max(ROWS), device=engine.device)
+    engine.decoder.join(every_slot, encoded)
+    eager.join(every_slot, encoded)
     table = []
     for rows in ROWS:
         tokens, positions = [engine.sot] * rows, [40] * rows
@@ -98,14 +100,18 @@ def main(argv: list[str] | None = None) -> int:
         table.append([f"decoder step, {rows} rows", op_by_op, graphed])
     del eager
     audio = [np.random.default_rng(i).normal(0, 0.1, 16000 * 28).astype(np.float32) for i in range(16)]
+    graphs = engine.join_graphs
     for clips in (1, 4, 16):
         def join() -> None:
             for a in audio[:clips]:
                 engine.add(Clip(a, "en", "transcribe", 1))
             engine._join()
             engine.clear()
-        join_ms, _ = timed(join, max(3, args.repeats // 4))
-        table.append([f"{clips} clips join (features, encoder, cross K/V)", "-", join_ms])
+        engine.join_graphs = None
+        op_by_op, _ = timed(join, max(3, args.repeats // 4))
+        engine.join_graphs = graphs
+        graphed = timed(join, max(3, args.repeats // 4))[0] if graphs is not None else "-"
+        table.append([f"{clips} clips join (features, encoder, cross K/V)", op_by_op, graphed])
     shares = loop_shares(engine, args.loop_steps)
     table += [[f"loop with {max(ROWS)} clips in flight: {name}", "-", value] for name, value in shares.items()]
     notes = [f"Engine: {args.version_dir} in {args.dtype}; decoder steps over all {max(ROWS)} slots' caches with "

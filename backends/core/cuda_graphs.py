@@ -23,11 +23,12 @@ def batch_sizes(largest: int) -> list[int]:
 
 
 class GraphedBatches:
-    """`module(*inputs)` for inputs whose dimensions after the first are fixed (`shapes`, `dtypes`)."""
+    """`module(*inputs)` for inputs whose dimensions after the first are fixed (`shapes`, `dtypes`). `exact`: every
+    batch must fill a graph (a module that writes beyond its outputs, where padding rows would write garbage)."""
 
     def __init__(self, module: Callable, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
-                 device: torch.device, largest: int):
-        self.module, self.largest = module, largest
+                 device: torch.device, largest: int, exact: bool = False):
+        self.module, self.largest, self.exact = module, largest, exact
         self.lock = threading.Lock()  # one batch at a time owns the static buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         pool = None
@@ -56,6 +57,8 @@ class GraphedBatches:
     def run_chunk(self, args: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         rows = args[0].shape[0]
         size = next(s for s in sorted(self.graphs) if s >= rows)
+        if self.exact and size != rows:
+            raise ValueError(f"{rows} rows fill no graph exactly (sizes {sorted(self.graphs)})")
         graph, inputs, outputs = self.graphs[size]
         with self.lock:
             for static, value in zip(inputs, args):
@@ -65,10 +68,10 @@ class GraphedBatches:
 
 
 def try_graphs(module: Callable, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
-               device: torch.device, largest: int) -> GraphedBatches | None:
+               device: torch.device, largest: int, exact: bool = False) -> GraphedBatches | None:
     """The module as graphs, or None (said in the log) when it cannot be captured: then it runs op by op."""
     try:
-        return GraphedBatches(module, shapes, dtypes, device, largest)
+        return GraphedBatches(module, shapes, dtypes, device, largest, exact)
     except Exception as exc:  # a CPU synchronisation or an op that capture refuses: a slower path, not a failure
         log.warning("CUDA graphs unavailable for this engine (%s: %s); running it op by op", type(exc).__name__, exc)
         torch.cuda.synchronize(device)

@@ -47,12 +47,12 @@ class SlotDecoder:
         return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
 
     @torch.inference_mode()
-    def join(self, slots: list[int], encoded: torch.Tensor) -> None:
-        """Clips' encoder outputs [len(slots), frames, d_model] into their slots' cross-attention caches."""
-        index = torch.tensor(slots, device=self.device)
+    def join(self, slots: torch.Tensor, encoded: torch.Tensor) -> None:
+        """Clips' encoder outputs [len(slots), frames, d_model] into the cross-attention caches of `slots` (indices
+        on the device)."""
         for layer, kv in zip(self.decoder.layers, self.cross_kv):
-            kv[0].index_copy_(0, index, self._heads(layer.encoder_attn.k_proj(encoded)))
-            kv[1].index_copy_(0, index, self._heads(layer.encoder_attn.v_proj(encoded)))
+            kv[0].index_copy_(0, slots, self._heads(layer.encoder_attn.k_proj(encoded)))
+            kv[1].index_copy_(0, slots, self._heads(layer.encoder_attn.v_proj(encoded)))
 
     @torch.inference_mode()
     def step(self, tokens: list[int], positions: list[int]) -> list[list[int]]:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from backends.core.batcher import BatchingParams
+from backends.core.cuda_graphs import batch_sizes, try_graphs
 from backends.core.devices import DTYPES, resolve_device
 from backends.core.errors import InvalidInput
 from backends.core.params import bounded, choice, device
@@ -44,7 +45,7 @@ class WhisperParams(BatchingParams):
     device: str = device()
     max_batch: int = bounded(64, 1)  # decoder slots: clips (30 s chunks) decoded at once
     encoder_batch: int = bounded(16, 1)  # clips that join per step (their encoder pass delays that step)
-    cuda_graphs: bool = True  # decoder steps replayed from CUDA graphs (GPU only)
+    cuda_graphs: bool = True  # decoder steps and joins replayed from CUDA graphs (GPU only)
     qos_lower_share: float = bounded(0.25, 0, 1, low_open=True)  # while a clip of a higher QoS class decodes, clips
     # of lower classes (not overdue) start in at most this share of the time: their encoder pass holds its steps up
     # (on the CPU; on a GPU it runs on a stream of its own, so the share measures only its launch; 1: no limit)
@@ -103,6 +104,13 @@ class WhisperEngine:
         self.max_new_tokens = self.model.config.max_target_positions - PROMPT
         self.encoder_batch = encoder_batch
         self.decoder = SlotDecoder(self.model, slots, cuda_graphs)
+        # a join (features, encoder, cross-attention keys and values into the slots) replayed from a graph of 1, 2,
+        # 4, ... clips: op by op, Python's launches of one clip's join took about as long as its GPU time (H200,
+        # perf/results/h200/2026-12-07-whisper-steps.md: one clip 17.9 ms, 8.8 ms a clip in a join of 16), and the
+        # engine's loop launches no decoder step meanwhile
+        self.join_graphs = try_graphs(self._encode_into, [(self.features.n_samples,), ()], [torch.float32, torch.long],
+                                      self.device, encoder_batch, exact=True) \
+            if cuda_graphs and self.device.type == "cuda" else None
         self.waiting: collections.deque[Clip] = collections.deque()
         self.running: list[Clip | None] = [None] * slots  # by slot, clips still joining too
         self.join_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -209,20 +217,28 @@ class WhisperEngine:
         (the encoder is compute-bound, a step mostly waits on memory); clips that fail here are returned with their
         error."""
         free = [i for i, clip in enumerate(self.running) if clip is None]
-        clips, now, top = [], time.monotonic(), min(self._ranks(), default=None)
+        picked, now, top = [], time.monotonic(), min(self._ranks(), default=None)
         for queue in (self.waiting, self.preempted):  # (the waiting ones were admitted: `admits`)
-            while queue and len(clips) < min(len(free), self.encoder_batch) and \
+            while queue and len(picked) < min(len(free), self.encoder_batch) and \
                     (queue is self.waiting or self.admits(queue[0].ticket, now)):
-                clips.append(queue.popleft())
-        if not clips:
+                picked.append((queue, queue.popleft()))
+        if not picked:
             return []
+        if self.join_graphs is not None:  # as many as a graph holds; the rest join at the next steps
+            size = max(s for s in batch_sizes(self.encoder_batch) if s <= len(picked))
+            for queue, clip in reversed(picked[size:]):
+                queue.appendleft(clip)
+            del picked[size:]
+        clips = [clip for _, clip in picked]
         lower = top is not None and any(c.ticket is not None and c.ticket.rank > top and not c.ticket.overdue(now)
                                         for c in clips)
         try:
+            waves, slots = self.features.waves([clip.audio for clip in clips]), torch.tensor(free[:len(clips)])
             with torch.inference_mode(), torch.cuda.stream(self.join_stream) if self.join_stream else nullcontext():
-                features = self.features([clip.audio for clip in clips], self.device).to(self.dtype)
-                encoded = self.model.model.encoder(features).last_hidden_state
-                self.decoder.join(free[:len(clips)], encoded)
+                if self.join_graphs is not None:
+                    self.join_graphs(waves, slots)
+                else:
+                    self._encode_into(waves.to(self.device), slots.to(self.device))
                 event = self.join_stream.record_event() if self.join_stream else None
             self.encoded += len(clips)
             if lower:
@@ -242,6 +258,13 @@ class WhisperEngine:
         if event is not None:
             self.joining.append((event, clips))
         return []
+
+    def _encode_into(self, waves: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Clips' 30 s of samples [n, n_samples] -> their features, encoder output and its cross-attention keys and
+        values in the decoder's `slots` [n] (all on the device); returns `slots` (a graph needs an output)."""
+        features = self.features.from_waves(waves).to(self.dtype)
+        self.decoder.join(slots, self.model.model.encoder(features).last_hidden_state)
+        return slots
 
     def _joined(self) -> None:
         """Clips whose encoder finished join the decoder's batch (when none is decoding, it waits for the first)."""

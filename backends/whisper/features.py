@@ -17,15 +17,28 @@ class LogMel:
         self.filters = torch.from_numpy(np.asarray(extractor.mel_filters, dtype=np.float64))  # [freqs, mels]
         self.window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64)
         self.num_mels = self.filters.shape[1]
+        self.on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (window, filters) copies
 
     def __call__(self, clips: list[np.ndarray], device: torch.device) -> torch.Tensor:
-        """16 kHz mono clips -> float32 [len(clips), mels, 3000]."""
-        batch = np.zeros((len(clips), self.n_samples), dtype=np.float32)  # float32 samples: half the bytes to copy
+        """16 kHz mono clips -> float32 [len(clips), mels, 3000] on `device`."""
+        return self.from_waves(self.waves(clips).to(device))
+
+    def waves(self, clips: list[np.ndarray]) -> torch.Tensor:
+        """The clips zero-padded or cut to 30 s: float32 [len(clips), n_samples] on the host (half the bytes of
+        float64 to copy)."""
+        batch = np.zeros((len(clips), self.n_samples), dtype=np.float32)
         for row, clip in zip(batch, clips):
             row[:min(len(clip), self.n_samples)] = clip[:self.n_samples]
-        waves = torch.from_numpy(batch).to(device).double()
-        stft = torch.stft(waves, self.n_fft, self.hop, window=self.window.to(device), return_complex=True)
+        return torch.from_numpy(batch)
+
+    def from_waves(self, waves: torch.Tensor) -> torch.Tensor:
+        """waves [n, n_samples] -> float32 [n, mels, 3000], on their device, each row on its own (no host copies:
+        it can be captured in a CUDA graph once a call has put the window and filters on the device)."""
+        if waves.device not in self.on_device:
+            self.on_device[waves.device] = self.window.to(waves.device), self.filters.to(waves.device)
+        window, filters = self.on_device[waves.device]
+        stft = torch.stft(waves.double(), self.n_fft, self.hop, window=window, return_complex=True)
         power = stft[..., :-1].abs() ** 2
-        log = (self.filters.to(device).T @ power).clamp(min=1e-10).log10()
+        log = (filters.T @ power).clamp(min=1e-10).log10()
         log = torch.maximum(log, log.amax(dim=(1, 2), keepdim=True) - 8.0)
         return ((log + 4.0) / 4.0).float()

@@ -151,13 +151,36 @@ def test_lower_class_clips_join_in_their_share_of_time_while_a_higher_class_deco
     assert [c.tokens for c in (high, first, waiter)] == [a.tokens for a in alone]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
-def test_cuda_graph_steps_keep_transformers_tokens(whisper_checkpoint):
+def test_with_join_graphs_clips_join_in_whole_graphs_and_keep_their_tokens(whisper_checkpoint):
+    """With join graphs of 1, 2 and 4 clips (encoder_batch 4), three clips that could join together join as two,
+    then one at the next step: a graph's padding rows would write their garbage into other clips' slots. The graphs
+    are stood in for by the op-by-op join here (the GPU test below replays real ones)."""
     from transformers import WhisperForConditionalGeneration
 
-    graphed = WhisperEngine(whisper_checkpoint, "fp32", "cuda", slots=3, encoder_batch=2)
-    eager = WhisperEngine(whisper_checkpoint, "fp32", "cuda", slots=3, encoder_batch=2, cuda_graphs=False)
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=3, encoder_batch=4)
+    sizes = []
+
+    def replay(waves, slots):
+        sizes.append(len(slots))
+        return engine._encode_into(waves, slots)
+    engine.join_graphs = replay
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    clips, _ = run_plan(engine, PLAN)
+    for clip in clips:
+        assert clip.tokens == reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
+    assert sizes[:2] == [2, 1] and set(sizes) <= {1, 2, 4} and sum(sizes) == len(PLAN)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (perf/gpu_bench.sh runs it)")
+def test_cuda_graph_steps_keep_transformers_tokens(whisper_checkpoint):
+    """Decoder steps and joins replayed from CUDA graphs (joins of 1, 2 or 4 clips) against op by op and
+    transformers."""
+    from transformers import WhisperForConditionalGeneration
+
+    graphed = WhisperEngine(whisper_checkpoint, "fp32", "cuda", slots=3, encoder_batch=4)
+    eager = WhisperEngine(whisper_checkpoint, "fp32", "cuda", slots=3, encoder_batch=4, cuda_graphs=False)
     assert graphed.decoder.graphs is not None and eager.decoder.graphs is None
+    assert sorted(graphed.join_graphs.graphs) == [1, 2, 4] and eager.join_graphs is None
     model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).cuda().eval()
     clips, _ = run_plan(graphed, PLAN)
     eager_clips, _ = run_plan(eager, PLAN)

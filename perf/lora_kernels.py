@@ -23,7 +23,7 @@ from perf.report import hardware_line, write_table
 
 PROJECTIONS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
                "down": (14336, (4096,))}
-SHRINK = [{}, {"K_SPLIT": 512}, {"BLOCK_K": 128}]  # the defaults, then changes to them
+SHRINK = [{}, {"K_SPLIT": 512}, {"BLOCK_K": 128}, {"SHRINK_WARPS": 4}]  # the defaults, then changes to them
 # the expand at other pipeline depths and program lengths (the H200's sweep of these and more:
 # perf/results/h200/2026-12-07-lora-kernels.md)
 EXPAND = [{}, {"CHUNK": 8}, {"CHUNK": 2}, {"EXPAND_STAGES": 2}, {"EXPAND_STAGES": 4}, {"BLOCK_N": 128, "CHUNK": 8}]

@@ -7,11 +7,9 @@ in no tile and cost nothing. `shrink` writes xa = w * x A^T for each tile's rows
 `expand` sums the splits and adds xa B into the projection's output in place. One tile reads its adapter's weights
 once for all its rows, so a batch of 64 rows with one adapter reads it 4 times, and 64 rows with 64 adapters read each
 once. Both read the number of tiles in use from the device, so one CUDA graph serves a step with any number of tiles:
-`shrink` is persistent over a fixed number of programs, and `expand`'s programs past the last tile return at once.
+their programs past the last tile return at once.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -29,7 +27,6 @@ BLOCK_N = 256  # output features of one expand block
 CHUNK = 4  # expand blocks of one program
 EXPAND_WARPS = 4
 EXPAND_STAGES = 3  # expand blocks in flight through shared memory (at least 2; H200 2026-12-07)
-PROGRAMS_PER_SM = 8
 PDL = True  # programmatic dependent launch where the GPU has it (gemv.pdl_runs_on): see _shrink_kernel
 
 
@@ -38,28 +35,33 @@ def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_pt
                    K: tl.constexpr, R: tl.constexpr, SLOTS: tl.constexpr, PARTS: tl.constexpr, SPLITS: tl.constexpr,
                    MIXED: tl.constexpr, BM: tl.constexpr, R_PAD: tl.constexpr, BK: tl.constexpr,
                    K_SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Work item (tile, part, split): xa[split, row, j, part, :] = w_j * x[row, split's K] A[part, slot_j]^T.
+    """Program (tile, part, split): xa[split, row, j, part, :] = w_j * x[row, split's K] A[part, slot_j]^T.
+    The tile's entry and weights are read beside the number of tiles in use (`_planned`; the buffers hold max_tiles
+    entries), so a program's dependent reads are tile -> rows -> x and A; programs past the tiles in use return at
+    once. Not yet measured on a GPU in this form (until 2026-12-07 a fixed number of programs looped over the work
+    items, each reading the number of tiles, then its tile, then its weight, then the rows).
     PDL: the kernels are launched before the kernel ahead of them ends (the base product, then this one for expand)
     and read what no kernel of the step writes (the tile plan, the rows, the adapters) before gdc_wait, which they
     call before reading what it wrote (x; xa and the output in expand). Every program calls it, those without work
     too, so each kernel ends after the one before it."""
+    tl.static_assert(MIXED == 2)
     if PDL:
         gdc_launch_dependents()  # expand may start: it waits for this kernel's end before reading xa
-    m, r, ks = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BK)
-    items = tl.load(tile_count_ptr) * (PARTS * SPLITS)
-    for item in range(tl.program_id(0), items, tl.num_programs(0)):
-        tile = item // (PARTS * SPLITS)
-        part = (item // SPLITS) % PARTS
-        split = item % SPLITS
-        start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
+    tile, part, split = tl.program_id(0), tl.program_id(1) // SPLITS, tl.program_id(1) % SPLITS
+    used = tl.load(tile_count_ptr)
+    start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
+    slot0, slot1 = tl.load(tiles_ptr + tile * 4 + 2), tl.load(tiles_ptr + tile * 4 + 3)
+    w0, w1 = tl.load(weights_ptr + tile * MIXED), tl.load(weights_ptr + tile * MIXED + 1)
+    if _planned(tile, used, start, count, slot0, slot1, w0, w1):
+        m, r, ks = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BK)
         in_tile = m < count
         rows = tl.load(perm_ptr + start + m, mask=in_tile, other=0)
         if PDL:
             gdc_wait()
         for j in tl.static_range(MIXED):
-            w = tl.load(weights_ptr + tile * MIXED + j)
+            w, slot = tl.where(j == 0, w0, w1), tl.where(j == 0, slot0, slot1)
             if w != 0:
-                a_rows = a_ptr + ((part * SLOTS + tl.load(tiles_ptr + tile * 4 + 2 + j)) * R + r[None, :]) * K
+                a_rows = a_ptr + ((part * SLOTS + slot) * R + r[None, :]) * K
                 acc = tl.zeros([BM, R_PAD], dtype=tl.float32)
                 for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, BK):
                     k = k0 + ks
@@ -69,8 +71,16 @@ def _shrink_kernel(x_ptr, a_ptr, perm_ptr, tiles_ptr, weights_ptr, tile_count_pt
                     acc = tl.dot(xk, ak, acc, input_precision=PRECISION)
                 out = xa_ptr + (((split * rows_total + rows[:, None]) * MIXED + j) * PARTS + part) * R_PAD + r[None, :]
                 tl.store(out, acc * w, mask=in_tile[:, None])
-    if PDL:
+    elif PDL:
         gdc_wait()
+
+
+@triton.jit
+def _planned(tile, used, start, count, slot0, slot1, w0, w1):
+    """The tile is in use and its entry is one that lora.plan_tiles writes (it always is). Every value is read
+    before the branch that tests this, with the number of tiles in use, in one round trip: a value used only inside
+    the branch is read after it, the compiler sinking its load there (sm_90 code)."""
+    return (tile < used) & (start >= 0) & (count > 0) & (slot0 >= 0) & (slot1 >= 0) & ((w0 != 0) | (w1 != 0))
 
 
 @triton.jit
@@ -95,8 +105,8 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
     rows' outputs (B holds the parts side by side: [slots, R, W0 + W1 + W2]), in a software-pipelined loop: B's
     blocks and the outputs are copied into shared memory STAGES - 1 blocks ahead (cp.async), so the bytes in flight
     are bounded by shared memory, not registers. A program's reads form a chain (tile -> rows -> xa -> output); the
-    tile's entry is read beside the number of tiles, not after it (the buffer holds max_tiles entries), and programs
-    whose columns lie past their part (the narrower parts of qkv) return at once. On the H200 this took a layer's
+    tile's entry is read beside the number of tiles (`_planned`), and programs whose columns lie past their part
+    (the narrower parts of qkv) return at once. On the H200 this took a layer's
     expands from 70.2 to 52.0 us with 64 distinct adapters against B prefetched into registers (120 registers a
     thread, four programs an SM; perf/results/h200/2026-12-07-lora-kernels.md)."""
     tl.static_assert(MIXED == 2)
@@ -104,14 +114,14 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
     used = tl.load(tile_count_ptr)
     start, count = tl.load(tiles_ptr + tile * 4), tl.load(tiles_ptr + tile * 4 + 1)
     slot0, slot1 = tl.load(tiles_ptr + tile * 4 + 2), tl.load(tiles_ptr + tile * 4 + 3)
-    mixes = tl.load(weights_ptr + tile * MIXED + 1) != 0
+    w0, w1 = tl.load(weights_ptr + tile * MIXED), tl.load(weights_ptr + tile * MIXED + 1)
     part, chunk = tl.program_id(1) % PARTS, tl.program_id(1) // PARTS
     col0 = tl.where(part == 0, 0, tl.where(part == 1, W0, W0 + W1))
     end = tl.where(part == 0, W0, tl.where(part == 1, W0 + W1, W0 + W1 + W2))
     first = col0 + chunk * CHUNK * BN
-    if (tile < used) & (first < end):
+    if _planned(tile, used, start, count, slot0, slot1, w0, w1) & (first < end):
         m, r, n = tl.arange(0, BM), tl.arange(0, R_PAD), tl.arange(0, BN)
-        rank1 = tl.where(mixes, R, 0)
+        rank1 = tl.where(w1 != 0, R, 0)
         b0 = b_ptr + (slot0 * R + r[:, None]) * (W0 + W1 + W2)
         b1 = b_ptr + (slot1 * R + r[:, None]) * (W0 + W1 + W2)
         in_tile = m < count
@@ -136,14 +146,6 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
         gdc_wait()
 
 
-@functools.cache
-def programs(device: torch.device) -> int:
-    """Enough resident programs to keep every SM's memory requests in flight."""
-    if device.type != "cuda":
-        return 64
-    return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
-
-
 def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Tensor, weights: torch.Tensor,
            tile_count: torch.Tensor) -> torch.Tensor:
     """xa [splits, T, MIXED, parts, R_PAD] (fp32): each tiled row's w_j x A[part, slot_j]^T over each K split."""
@@ -155,7 +157,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, tiles: torch.Te
     xa = torch.empty(splits, rows_total, mixed, parts, max(16, triton.next_power_of_2(rank)), dtype=torch.float32,
                      device=x.device)
     early = pdl(x)
-    _shrink_kernel[(min(programs(x.device), max_tiles * parts * splits),)](
+    _shrink_kernel[(max_tiles, parts * splits)](
         x, a, perm, tiles, weights, tile_count, xa, rows_total, x.stride(0), K=k, R=rank, SLOTS=slots, PARTS=parts,
         SPLITS=splits, MIXED=mixed, BM=TILE_ROWS, R_PAD=xa.shape[-1], BK=block_k, K_SPLIT=k_split,
         PRECISION=precision(x), PDL=early, num_warps=SHRINK_WARPS, **launch(early))

@@ -104,11 +104,11 @@ def _expand_kernel(xa_ptr, b_ptr, out_ptr, perm_ptr, tiles_ptr, weights_ptr, til
     The tile's rows and xa are read once, then CHUNK column blocks of BN, each reading a B block per adapter and the
     rows' outputs (B holds the parts side by side: [slots, R, W0 + W1 + W2]), in a software-pipelined loop: B's
     blocks and the outputs are copied into shared memory STAGES - 1 blocks ahead (cp.async), so the bytes in flight
-    are bounded by shared memory, not registers. A program's reads form a chain (tile -> rows -> xa -> output); the
-    tile's entry is read beside the number of tiles (`_planned`), and programs whose columns lie past their part
-    (the narrower parts of qkv) return at once. On the H200 this took a layer's
-    expands from 70.2 to 52.0 us with 64 distinct adapters against B prefetched into registers (120 registers a
-    thread, four programs an SM; perf/results/h200/2026-12-07-lora-kernels.md)."""
+    are bounded by shared memory, not registers. On the H200 this took a layer's expands from 70.2 to 52.0 us with 64
+    distinct adapters against B prefetched into registers (120 registers a thread, four programs an SM;
+    perf/results/h200/2026-12-07-lora-kernels.md). A program's reads form a chain (tile -> rows -> xa -> output);
+    the tile's entry is read beside the number of tiles (`_planned`, since that run), and programs whose columns lie
+    past their part (the narrower parts of qkv) return at once."""
     tl.static_assert(MIXED == 2)
     tile = tl.program_id(0)
     used = tl.load(tile_count_ptr)

@@ -105,9 +105,9 @@ class WhisperEngine:
         self.encoder_batch = encoder_batch
         self.decoder = SlotDecoder(self.model, slots, cuda_graphs)
         # a join (features, encoder, cross-attention keys and values into the slots) replayed from a graph of 1, 2,
-        # 4, ... clips: op by op, Python's launches of one clip's join took about as long as its GPU time (H200,
-        # perf/results/h200/2026-12-07-whisper-steps.md: one clip 17.9 ms, 8.8 ms a clip in a join of 16), and the
-        # engine's loop launches no decoder step meanwhile
+        # 4, ... clips, one launch instead of hundreds from Python, during which the engine's loop launches no
+        # decoder step (H200, perf/results/h200/2026-12-07-whisper-steps.md: one clip's join 17.9 ms op by op, 8.8 ms
+        # a clip in a join of 16)
         self.join_graphs = try_graphs(self._encode_into, [(self.features.n_samples,), ()], [torch.float32, torch.long],
                                       self.device, encoder_batch, exact=True) \
             if cuda_graphs and self.device.type == "cuda" else None

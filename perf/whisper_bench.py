@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from backends.media.audio import decode_audio
 from backends.server import TritonServer, free_port
-from perf.analyzer import sweep
+from perf.analyzer import LoadPoint, sweep
 from perf.gpu import served_device
 from perf.inputs import bytes_entry
 from perf.report import bench_arguments, hardware_line, write_table
@@ -55,8 +55,8 @@ def write_input_data(path: Path, items: list[tuple[bytes, float, int]]) -> Path:
 
 
 def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency: int, params: dict[str, str],
-               device: str, clips_per_round: int) -> float:
-    """Clips/s of the engine alone with `concurrency` clips always in flight (a finished clip is replaced by the
+               device: str, clips_per_round: int) -> tuple[float, float, float]:
+    """Clips/s, mean clips per decoder step and decoder steps/s of the engine alone with `concurrency` clips always in flight (a finished clip is replaced by the
     next, the clips cycled): features, encoder and continuous-batched greedy decoding, with the served model's
     engine parameters; after a warm-up round. The clips are decoded beforehand: the served model decodes on its
     prepare threads, beside the engine's loop."""
@@ -82,9 +82,16 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
                 add()
 
     run(concurrency)
-    start = time.perf_counter()
+    start, steps, fed = time.perf_counter(), engine.steps, engine.fed
     run(clips_per_round)
-    return clips_per_round / (time.perf_counter() - start)
+    seconds, steps = time.perf_counter() - start, engine.steps - steps
+    return clips_per_round / seconds, (engine.fed - fed) / steps, steps / seconds
+
+
+def decoding(point: LoadPoint) -> list[float]:
+    """Mean clips per decoder step and decoder steps/s of the served engine over a perf_analyzer run."""
+    steps = point.counters.get("whisper_decode_steps_total", 0.0)
+    return [point.counters.get("whisper_decode_tokens_total", 0.0) / max(steps, 1.0), steps / point.wall_s]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,14 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
         device = served_device(config)
         data = write_input_data(tmp / "whisper.json", items)
-        points, _, notes = sweep("whisper", server, data, tmp, "concurrency", args.concurrency, args.interval_ms)
+        points, _, notes = sweep("whisper", server, data, tmp, "concurrency", args.concurrency, args.interval_ms,
+                                 counters=True)
     rows = [[f"Triton, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, p.p50_us / 1e3,
-             p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%"] for p in points]
+             p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%", *decoding(p)]
+            for p in points]
     hardware = hardware_line(version)
     load = max(args.concurrency)
     params = {key: value["string_value"] for key, value in config["parameters"].items()}
-    rate = in_process(folder, items, load, params, device, clips_per_round=4 * load)
-    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-"])
+    rate, batch, steps_per_s = in_process(folder, items, load, params, device, clips_per_round=4 * load)
+    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-", batch,
+                 steps_per_s])
     best = max(r[1] for r in rows[:-1]) if len(rows) > 1 else float("nan")
     notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
              f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "
@@ -124,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
              f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
              f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "
              f"process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
+             "Decode batch: clips fed per decoder step, and decoder steps/s: served, from the model's "
+             "whisper_decode_* counters over the whole perf_analyzer run (its warm-up and trials too); in process, "
+             "over the timed clips.",
              *notes]
-    header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util"]
+    header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util",
+              "decode batch", "decoder steps/s"]
     print(write_table(args.results / args.host, "whisper-throughput", header, rows, hardware, notes), flush=True)
     return 0
 

@@ -32,16 +32,19 @@ class GraphedBatches:
         self.lock = threading.Lock()  # one batch at a time owns the static buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         pool = None
+        # captured on a stream of its own, not torch's one capture stream for all graphs: cuBLAS keeps a workspace
+        # per stream that the graph's kernels keep using at replay, and two graphs sharing one deadlocked the GPU
+        # when replayed at once (whisper's join graphs beside its decoder step's, H100 2026-12-07)
+        stream = torch.cuda.Stream(device)
         for size in reversed(batch_sizes(largest)):  # largest first: the smaller ones reuse its pool memory
             inputs = [torch.zeros((size, *shape), dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes)]
-            stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):  # lazy initialisation (cuBLAS handles, autotuning) happens outside the capture
                     module(*inputs)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            with torch.cuda.graph(graph, pool=pool, stream=stream), torch.inference_mode():
                 outputs = module(*inputs)
             pool = graph.pool()
             self.graphs[size] = graph, inputs, outputs if isinstance(outputs, (tuple, list)) else (outputs,)

@@ -5,12 +5,12 @@ import csv
 import dataclasses
 import subprocess
 import sys
-import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from perf.gpu import GpuUtilization
-from perf.server_metrics import model_metrics
+from perf.server_metrics import MetricsWatch
 
 PERF_ANALYZER = Path(sys.prefix) / "bin" / "perf_analyzer"
 
@@ -29,8 +29,7 @@ class LoadPoint:
     server_compute_infer_us: int
     server_compute_output_us: int
     gpu_util: float | None = None  # mean over the run (0..1), set by the caller when it measured one
-    counters: dict[str, float] | None = None  # the model's metrics' growth over the run (sweep's `counters`)
-    wall_s: float | None = None  # the run's length, perf_analyzer's trials included (with `counters`)
+    watched: MetricsWatch | None = None  # the model's metrics over the run (sweep's `watch`)
 
 
 class UnstableMeasurement(RuntimeError):
@@ -71,24 +70,21 @@ def run_perf_analyzer(model: str, url: str, input_data: Path, csv_path: Path, *,
 
 
 def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[float], interval_ms: int,
-          counters: bool = False) -> tuple[list[LoadPoint], str | None, list[str]]:
+          watch: bool = False) -> tuple[list[LoadPoint], str | None, list[str]]:
     """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
     mean GPU utilisation during it. Returns the points, where the utilisation came from (None: no GPU) and notes on
-    levels left out because perf_analyzer found no stable measurement there. `counters`: each point also gets the
-    growth of the model's metrics over its run (what the engine did, e.g. steps and tokens) and the run's length."""
+    levels left out because perf_analyzer found no stable measurement there. `watch`: each point also gets the
+    model's metrics read over its run (what the engine did: steps and tokens counted, clips in its gauges)."""
     points, source, notes = [], None, []
     for level in levels:
         value = f"{level:g}"
         args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
         try:
-            before, start = model_metrics(server.metrics_url, model) if counters else {}, time.monotonic()
-            with GpuUtilization(server.metrics_url) as gpu:
+            with GpuUtilization(server.metrics_url) as gpu, \
+                    MetricsWatch(server.metrics_url, model) if watch else nullcontext() as watched:
                 (point,) = run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
                                              interval_ms=interval_ms, **args)
-            if counters:
-                after = model_metrics(server.metrics_url, model)
-                point = dataclasses.replace(point, counters={k: v - before.get(k, 0.0) for k, v in after.items()},
-                                            wall_s=time.monotonic() - start)
+            point = dataclasses.replace(point, watched=watched)
         except UnstableMeasurement:
             notes.append(f"{kind} {value}: perf_analyzer found no stable measurement (6 trials); left out.")
             continue

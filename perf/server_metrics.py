@@ -2,6 +2,8 @@
 engine did beside what the client saw."""
 from __future__ import annotations
 
+import threading
+import time
 import urllib.request
 
 
@@ -28,3 +30,42 @@ def engine_steps(before: dict[str, float], after: dict[str, float], wall_s: floa
             f"(mean {1e3 * decode_s / max(decode, 1):.1f} ms, batch "
             f"{delta('llm_decode_tokens_total') / max(decode, 1):.1f}); the engine stepped "
             f"{100 * (prefill_s + decode_s) / wall_s:.0f}% of {wall_s:.1f} s")
+
+
+class MetricsWatch:
+    """`with MetricsWatch(server.metrics_url, model) as watch: ...` then `watch.growth` (each series' last reading
+    less its first: what counters counted meanwhile), `watch.mean` (each series' mean over readings every
+    `period_s`: gauges) and `watch.seconds`."""
+
+    def __init__(self, metrics_url: str, model: str, period_s: float = 0.25):
+        self.metrics_url, self.model, self.period_s = metrics_url, model, period_s
+        self.readings: list[dict[str, float]] = []
+        self.seconds = 0.0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> MetricsWatch:
+        self._start = time.monotonic()
+        self.readings.append(model_metrics(self.metrics_url, self.model))
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.readings.append(model_metrics(self.metrics_url, self.model))
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.readings.append(model_metrics(self.metrics_url, self.model))
+        self.seconds = time.monotonic() - self._start
+
+    @property
+    def growth(self) -> dict[str, float]:
+        first = self.readings[0]
+        return {name: value - first.get(name, 0.0) for name, value in self.readings[-1].items()}
+
+    @property
+    def mean(self) -> dict[str, float]:
+        names = set().union(*self.readings)
+        return {name: sum(r.get(name, 0.0) for r in self.readings) / len(self.readings) for name in names}

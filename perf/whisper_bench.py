@@ -55,10 +55,10 @@ def write_input_data(path: Path, items: list[tuple[bytes, float, int]]) -> Path:
 
 
 def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency: int, params: dict[str, str],
-               device: str, clips_per_round: int) -> tuple[float, float, float]:
-    """Clips/s, mean clips per decoder step and decoder steps/s of the engine alone with `concurrency` clips always in flight (a finished clip is replaced by the
-    next, the clips cycled): features, encoder and continuous-batched greedy decoding, with the served model's
-    engine parameters; after a warm-up round. The clips are decoded beforehand: the served model decodes on its
+               device: str, clips_per_round: int) -> tuple[float, list[float]]:
+    """Clips/s and `ENGINE_COLUMNS` of the engine alone with `concurrency` clips always in flight (a finished clip
+    is replaced by the next, the clips cycled): features, encoder and continuous-batched greedy decoding, with the
+    served model's engine parameters; after a warm-up round. The clips are decoded beforehand: the served model decodes on its
     prepare threads, beside the engine's loop."""
     from backends.whisper.engine import Clip, WhisperEngine
 
@@ -75,23 +75,37 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
             add()
         done = 0
         while done < clips:
+            occupancy.append([len(engine.running) - engine.free_slots, sum(len(c) for _, c in engine.joining),
+                              len(engine.waiting)])
             for clip in engine.step():
                 if clip.error is not None:
                     raise clip.error
                 done += 1
                 add()
 
+    occupancy: list[list[int]] = []
     run(concurrency)
-    start, steps, fed = time.perf_counter(), engine.steps, engine.fed
+    start, steps, fed, occupancy = time.perf_counter(), engine.steps, engine.fed, []
     run(clips_per_round)
     seconds, steps = time.perf_counter() - start, engine.steps - steps
-    return clips_per_round / seconds, (engine.fed - fed) / steps, steps / seconds
+    return clips_per_round / seconds, [(engine.fed - fed) / steps, steps / seconds, *np.mean(occupancy, axis=0),
+                                       "-", "-"]
 
 
-def decoding(point: LoadPoint) -> list[float]:
-    """Mean clips per decoder step and decoder steps/s of the served engine over a perf_analyzer run."""
-    steps = point.counters.get("whisper_decode_steps_total", 0.0)
-    return [point.counters.get("whisper_decode_tokens_total", 0.0) / max(steps, 1.0), steps / point.wall_s]
+ENGINE_COLUMNS = ["decode batch", "decoder steps/s", "clips in slots", "joining", "waiting", "queued",
+                  "queue wait ms"]
+
+
+def engine_columns(point: LoadPoint) -> list[float]:
+    """The served engine over a perf_analyzer run: clips per decoder step, decoder steps/s, the mean clips in its
+    slots, joining (in a slot, encoder not finished) and waiting for a slot (its gauges), and the mean requests
+    queued ahead of it and their mean wait from arrival to start (QoS metrics; preparation included)."""
+    growth, mean = point.watched.growth, point.watched.mean
+    steps = growth.get("whisper_decode_steps_total", 0.0)
+    return [growth.get("whisper_decode_tokens_total", 0.0) / max(steps, 1.0), steps / point.watched.seconds,
+            *(mean.get(f"whisper_clips_{name}", 0.0) for name in ("running", "joining", "waiting")),
+            mean.get("qos_queue_depth", 0.0),
+            1e3 * growth.get("qos_wait_seconds_sum", 0.0) / max(growth.get("qos_wait_seconds_count", 0.0), 1.0)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,16 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         device = served_device(config)
         data = write_input_data(tmp / "whisper.json", items)
         points, _, notes = sweep("whisper", server, data, tmp, "concurrency", args.concurrency, args.interval_ms,
-                                 counters=True)
+                                 watch=True)
     rows = [[f"Triton, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, p.p50_us / 1e3,
-             p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%", *decoding(p)]
+             p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%", *engine_columns(p)]
             for p in points]
     hardware = hardware_line(version)
     load = max(args.concurrency)
     params = {key: value["string_value"] for key, value in config["parameters"].items()}
-    rate, batch, steps_per_s = in_process(folder, items, load, params, device, clips_per_round=4 * load)
-    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-", batch,
-                 steps_per_s])
+    rate, engine = in_process(folder, items, load, params, device, clips_per_round=4 * load)
+    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-", *engine])
     best = max(r[1] for r in rows[:-1]) if len(rows) > 1 else float("nan")
     notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
              f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "
@@ -134,12 +147,15 @@ def main(argv: list[str] | None = None) -> int:
              f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
              f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "
              f"process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
-             "Decode batch: clips fed per decoder step, and decoder steps/s: served, from the model's "
-             "whisper_decode_* counters over the whole perf_analyzer run (its warm-up and trials too); in process, "
-             "over the timed clips.",
+             "Engine columns, served: over the whole perf_analyzer run (its warm-up and trials too), clips fed per "
+             "decoder step and steps/s from the model's whisper_decode_* counters, and the means of its gauges read "
+             "every 0.25 s: clips in the decoder's slots (joining ones too), joining (encoder not finished) and "
+             "waiting for a slot, requests queued ahead of the engine (qos_queue_depth) and their wait from arrival "
+             "to start (qos_wait_seconds: preparation included); in process: the same over the timed clips, the "
+             "clips counted before each step.",
              *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util",
-              "decode batch", "decoder steps/s"]
+              *ENGINE_COLUMNS]
     print(write_table(args.results / args.host, "whisper-throughput", header, rows, hardware, notes), flush=True)
     return 0
 

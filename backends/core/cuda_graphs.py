@@ -32,9 +32,10 @@ class GraphedBatches:
         self.lock = threading.Lock()  # one batch at a time owns the static buffers
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
         pool = None
-        # captured on a stream of its own, not torch's one capture stream for all graphs: cuBLAS keeps a workspace
-        # per stream that the graph's kernels keep using at replay, and two graphs sharing one deadlocked the GPU
-        # when replayed at once (whisper's join graphs beside its decoder step's, H100 2026-12-07)
+        # captured on a stream of its own, not on torch's one capture stream shared by every graph: whisper's join
+        # graphs replayed beside its decoder step's hung the GPU when both were captured there, and ran once each
+        # had its own stream (H100, 2026-12-07). Our reading: cuBLAS keeps a workspace per stream, which the
+        # captured kernels use again at replay, so graphs captured on one stream share it
         stream = torch.cuda.Stream(device)
         for size in reversed(batch_sizes(largest)):  # largest first: the smaller ones reuse its pool memory
             inputs = [torch.zeros((size, *shape), dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes)]

@@ -32,7 +32,8 @@ from backends.whisper.engine import TASKS, Clip, WhisperEngine, WhisperParams
 
 
 AUDIO = "_audio"  # the tensor between an ensemble's steps: 16 kHz mono float32 samples
-GAUGES = {"whisper_clips_running": "clips (30 s chunks) in the decoder's running batch",
+GAUGES = {"whisper_clips_running": "clips (30 s chunks) in the decoder's slots, joining ones too",
+          "whisper_clips_joining": "clips in a slot whose encoder has not finished (they do not decode yet)",
           "whisper_clips_waiting": "clips waiting for a decoder slot"}
 COUNTERS = {"whisper_decode_steps_total": "decoder steps",
             "whisper_decode_tokens_total": "tokens fed by decoder steps (÷ steps = mean decode batch)",
@@ -126,6 +127,7 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
         if self.metrics is not None:
             engine = self.engine
             self.metrics.update({"whisper_clips_running": len(engine.running) - engine.free_slots,
+                                 "whisper_clips_joining": sum(len(clips) for _, clips in engine.joining),
                                  "whisper_clips_waiting": len(engine.waiting) + len(engine.preempted)},
                                 {"whisper_decode_steps_total": engine.steps, "whisper_decode_tokens_total": engine.fed,
                                  "whisper_encoded_clips_total": engine.encoded,

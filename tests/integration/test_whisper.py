@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 
 from backends.media.audio import decode_audio
-from backends.mm_whisper.model import COUNTERS
+from backends.mm_whisper.model import COUNTERS, GAUGES
 from backends.whisper.chunking import merge, split
 from client.sdk import Client
 from tests.conftest import wav
@@ -51,6 +51,11 @@ def test_concurrent_requests_equal_transformers(server, reference):
     # batching)
     assert done["whisper_decode_tokens_total"] >= sum(3 + len(tokens) for _, tokens in served)
     assert done["whisper_decode_tokens_total"] > 1.5 * done["whisper_decode_steps_total"]
+    idle = dict.fromkeys(GAUGES, 0.0)  # every request answered: no clip in a slot, joining or waiting
+    while (gauges := {name: metric(server, name, "whisper") for name in GAUGES}) != idle and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gauges == idle
 
 
 @pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_24"), ("OGG", "VORBIS")])

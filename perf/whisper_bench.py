@@ -89,23 +89,25 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
     run(clips_per_round)
     seconds, steps = time.perf_counter() - start, engine.steps - steps
     return clips_per_round / seconds, [(engine.fed - fed) / steps, steps / seconds, *np.mean(occupancy, axis=0),
-                                       "-", "-"]
+                                       "-", "-", "-"]
 
 
 ENGINE_COLUMNS = ["decode batch", "decoder steps/s", "clips in slots", "joining", "waiting", "queued",
-                  "queue wait ms"]
+                  "queue wait ms", "Triton queue ms"]
 
 
 def engine_columns(point: LoadPoint) -> list[float]:
     """The served engine over a perf_analyzer run: clips per decoder step, decoder steps/s, the mean clips in its
     slots, joining (in a slot, encoder not finished) and waiting for a slot (its gauges), and the mean requests
-    queued ahead of it and their mean wait from arrival to start (QoS metrics; preparation included)."""
+    queued ahead of it and their mean wait from arrival to start (QoS metrics; preparation included), and their
+    wait in Triton's queue before that (perf_analyzer's server-side figure)."""
     growth, mean = point.watched.growth, point.watched.mean
     steps = growth.get("whisper_decode_steps_total", 0.0)
     return [growth.get("whisper_decode_tokens_total", 0.0) / max(steps, 1.0), steps / point.watched.seconds,
             *(mean.get(f"whisper_clips_{name}", 0.0) for name in ("running", "joining", "waiting")),
             mean.get("qos_queue_depth", 0.0),
-            1e3 * growth.get("qos_wait_seconds_sum", 0.0) / max(growth.get("qos_wait_seconds_count", 0.0), 1.0)]
+            1e3 * growth.get("qos_wait_seconds_sum", 0.0) / max(growth.get("qos_wait_seconds_count", 0.0), 1.0),
+            point.server_queue_us / 1e3]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
              "decoder step and steps/s from the model's whisper_decode_* counters, and the means of its gauges read "
              "every 0.25 s: clips in the decoder's slots (joining ones too), joining (encoder not finished) and "
              "waiting for a slot, requests queued ahead of the engine (qos_queue_depth) and their wait from arrival "
-             "to start (qos_wait_seconds: preparation included); in process: the same over the timed clips, the "
+             "to start (qos_wait_seconds: preparation included), and perf_analyzer's server queue time (Triton's "
+             "queue, before the model's); in process: the same over the timed clips, the "
              "clips counted before each step.",
              *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util",

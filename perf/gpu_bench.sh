@@ -11,7 +11,8 @@
 #   twice, LLaVA-NeXT with CLIP ViT-L/14-336 + Llama-3-8B shapes, random bf16 (first the test of a second question
 #   as decode rows, on the GPU);
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16, and where
-#   the engine's steps spend their time (perf.whisper_steps);
+#   the engine's steps spend their time (perf.whisper_steps; WHISPER_ARGS: more perf.whisper_bench arguments, e.g.
+#   "--py-spy /abs/path/py-spy": the stub's threads recorded at the highest concurrency);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
 #   "sam": the decoder's CUDA graph test, then encoder and decoder requests/s vs concurrency of the served sam,
 #   ViT-H shapes, random bf16 (SAM_ARGS: more perf.sam_bench arguments, e.g. "--concurrency 16");
@@ -180,7 +181,8 @@ if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
     "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
   fi
   "$py" -m pytest -q -p no:cacheprovider tests/unit/test_whisper.py
-  "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}"
+  "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}" \
+    ${WHISPER_ARGS:-}
   [ "${TINY:-0}" = 1 ] || "$py" -m perf.whisper_steps --version-dir model_repository/whisper/1 --results "$results" \
     --host "${HOST:-gpu}"
 fi

@@ -7,9 +7,12 @@ python -m perf.whisper_bench [--repository model_repository] [--concurrency 1 16
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import io
 import itertools
 import json
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -110,8 +113,29 @@ def engine_columns(point: LoadPoint) -> list[float]:
             point.server_queue_us / 1e3]
 
 
+@contextlib.contextmanager
+def stub_profile(py_spy: Path | None, seconds: int, folder: Path):
+    """py-spy recording the Python backend's stub (collapsed stacks per thread, idle ones too, without pausing it)
+    for `seconds` from the start of the block, when a py-spy binary is given."""
+    if py_spy is None:
+        yield
+        return
+    pid = subprocess.run(["pgrep", "-f", "triton_python_backend_stub"], capture_output=True, text=True).stdout.split()
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{datetime.date.today()}-whisper-stub.txt"
+    record = subprocess.Popen([str(py_spy), "record", "--pid", pid[0], "--duration", str(seconds), "--idle",
+                               "--threads", "--nonblocking", "--format", "raw", "--output", str(out)])
+    try:
+        yield
+    finally:
+        print(f"py-spy exited {record.wait()}: {out}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.whisper_bench", description=__doc__)
+    parser.add_argument("--py-spy", type=Path, help="a py-spy binary: record the model's stub (every thread, idle "
+                        "ones too) while the highest concurrency runs, into RESULTS/HOST/<date>-whisper-stub.txt")
+    parser.add_argument("--py-spy-seconds", type=int, default=10)
     args = bench_arguments(parser, 4000, concurrency=(1, 16, 64)).parse_args(argv)
     items = clips()
     mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
@@ -127,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
         device = served_device(config)
         data = write_input_data(tmp / "whisper.json", items)
-        points, _, notes = sweep("whisper", server, data, tmp, "concurrency", args.concurrency, args.interval_ms,
-                                 watch=True)
+        *lower, top = args.concurrency
+        points, _, notes = sweep("whisper", server, data, tmp, "concurrency", lower, args.interval_ms, watch=True)
+        with stub_profile(args.py_spy, args.py_spy_seconds, args.results / args.host):
+            top_points, _, top_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
+                                             watch=True)
+        points, notes = points + top_points, notes + top_notes
     rows = [[f"Triton, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, p.p50_us / 1e3,
              p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%", *engine_columns(p)]
             for p in points]

@@ -12,7 +12,7 @@
 #   as decode rows, on the GPU);
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16, and where
 #   the engine's steps spend their time (perf.whisper_steps; WHISPER_ARGS: more perf.whisper_bench arguments, e.g.
-#   "--py-spy /abs/path/py-spy": the stub's threads recorded at the highest concurrency);
+#   "--py-spy /abs/path/py-spy": the stub's threads recorded at the highest concurrency; SAM_ARGS takes it too);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
 #   "sam": the decoder's CUDA graph test, then encoder and decoder requests/s vs concurrency of the served sam,
 #   ViT-H shapes, random bf16 (SAM_ARGS: more perf.sam_bench arguments, e.g. "--concurrency 16");

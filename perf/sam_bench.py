@@ -3,7 +3,8 @@ override) and the decoder path (clicks on an image already embedded: cache hits;
 COCO run lengths, `mask_format` "rle", then as packed bits, "packed") vs concurrency through the served
 `sam` (perf_analyzer, gRPC), the bool masks again with the responses sent by the batcher's own thread
 (`response_threads` 0), beside the engine in process on the same inputs in the same run, and what a cache hit
-saves: the in-process latency of a first click (encoder + decoder) over a second click (decoder only).
+saves: the in-process latency of a first click (encoder + decoder) over a second click (decoder only). --py-spy:
+the stub recorded from the start of the first (bool masks) sweep.
 
 python -m perf.sam_bench [--repository model_repository] [--concurrency 1 4 16] [--host NAME]
 """
@@ -26,6 +27,7 @@ from perf.inputs import bytes_entry, encoded_images
 from perf.llm_scenarios import wait_unloaded
 from perf.report import bench_arguments, hardware_line, write_table
 from perf.server_metrics import model_metrics
+from perf.stub_profile import add_arguments as add_profile_arguments, stub_profile
 
 IMAGES = [(640, 480, "JPEG"), (1280, 720, "JPEG"), (1024, 1024, "JPEG"), (800, 1200, "JPEG")]
 
@@ -121,6 +123,7 @@ def rows_of(label: str, points) -> list[list]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.sam_bench", description=__doc__)
+    add_profile_arguments(parser)
     args = bench_arguments(parser, 3000).parse_args(argv)
     images = encoded_images(IMAGES)
     folder = args.repository / "sam" / "1"
@@ -136,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         device = served_device(config)
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         before = batched(server)
-        points, _, notes = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
-                                 "concurrency", args.concurrency, args.interval_ms)
+        with stub_profile(args, server, "sam"):
+            points, _, notes = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
+                                     "concurrency", args.concurrency, args.interval_ms)
         after = batched(server)
         per_call = mean_batch(before, after)
         rows = rows_of("decoder (clicks on embedded images)", points)

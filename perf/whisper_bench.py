@@ -1,18 +1,16 @@
 """Whisper throughput: clips/s and audio seconds per second (real-time factor) vs concurrency through the served
 `whisper` (perf_analyzer over gRPC), beside the in-process engine under the same load (a closed loop of as many
-clips in flight as the highest concurrency) on the same clips in the same run.
+clips in flight as the highest concurrency) on the same clips in the same run. --py-spy: the stub recorded from the
+start of the highest concurrency's run.
 
 python -m perf.whisper_bench [--repository model_repository] [--concurrency 1 16 64] [--host NAME]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import io
 import itertools
 import json
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from perf.analyzer import LoadPoint, sweep
 from perf.gpu import served_device
 from perf.inputs import bytes_entry
 from perf.report import bench_arguments, hardware_line, write_table
+from perf.stub_profile import add_arguments as add_profile_arguments, stub_profile
 
 # (seconds, max_tokens): about 3 tokens per second of speech, so the decoder does what real speech would ask of it
 CLIPS = [(5.0, 16), (12.0, 36), (28.0, 84)]
@@ -59,9 +58,9 @@ def write_input_data(path: Path, items: list[tuple[bytes, float, int]]) -> Path:
 
 def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency: int, params: dict[str, str],
                device: str, clips_per_round: int) -> tuple[float, list[float]]:
-    """Clips/s and `ENGINE_COLUMNS` of the engine alone with `concurrency` clips always in flight (a finished clip
-    is replaced by the next, the clips cycled): features, encoder and continuous-batched greedy decoding, with the
-    served model's engine parameters; after a warm-up round. The clips are decoded beforehand: the served model decodes on its
+    """Clips/s and `ENGINE_COLUMNS` of the engine alone with `concurrency` clips always in flight (a finished clip is
+    replaced by the next, the clips cycled): features, encoder and continuous-batched greedy decoding, with the served
+    model's engine parameters; after a warm-up round. The clips are decoded beforehand: the served model decodes on its
     prepare threads, beside the engine's loop."""
     from backends.whisper.engine import Clip, WhisperEngine
 
@@ -113,29 +112,9 @@ def engine_columns(point: LoadPoint) -> list[float]:
             point.server_queue_us / 1e3]
 
 
-@contextlib.contextmanager
-def stub_profile(py_spy: Path | None, seconds: int, folder: Path):
-    """py-spy recording the Python backend's stub (collapsed stacks per thread, idle ones too, without pausing it)
-    for `seconds` from the start of the block, when a py-spy binary is given."""
-    if py_spy is None:
-        yield
-        return
-    pid = subprocess.run(["pgrep", "-f", "triton_python_backend_stub"], capture_output=True, text=True).stdout.split()
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{datetime.date.today()}-whisper-stub.txt"
-    record = subprocess.Popen([str(py_spy), "record", "--pid", pid[0], "--duration", str(seconds), "--idle",
-                               "--threads", "--nonblocking", "--format", "raw", "--output", str(out)])
-    try:
-        yield
-    finally:
-        print(f"py-spy exited {record.wait()}: {out}", flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.whisper_bench", description=__doc__)
-    parser.add_argument("--py-spy", type=Path, help="a py-spy binary: record the model's stub (every thread, idle "
-                        "ones too) while the highest concurrency runs, into RESULTS/HOST/<date>-whisper-stub.txt")
-    parser.add_argument("--py-spy-seconds", type=int, default=10)
+    add_profile_arguments(parser)
     args = bench_arguments(parser, 4000, concurrency=(1, 16, 64)).parse_args(argv)
     items = clips()
     mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
@@ -153,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         data = write_input_data(tmp / "whisper.json", items)
         *lower, top = args.concurrency
         points, _, notes = sweep("whisper", server, data, tmp, "concurrency", lower, args.interval_ms, watch=True)
-        with stub_profile(args.py_spy, args.py_spy_seconds, args.results / args.host):
+        with stub_profile(args, server, "whisper"):
             top_points, _, top_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
                                              watch=True)
         points, notes = points + top_points, notes + top_notes

@@ -1,9 +1,13 @@
 """py-spy on a served model's Python backend stub while a benchmark loads it: where its threads (the engine's loop,
 preparation, answers, Triton's calls) spend their time, idle ones too, without pausing it. For hosts where a
-served/in-process gap needs explaining; the py-spy binary is carried there (`pip download py-spy`)."""
+served/in-process gap needs explaining; the py-spy binary is carried there (`pip download py-spy`).
+
+    python -m perf.stub_profile RECORDING.txt   # a recording summarized per thread, as markdown
+"""
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import subprocess
@@ -35,3 +39,33 @@ def stub_profile(args: argparse.Namespace, server, model: str):
         yield
     finally:
         print(f"py-spy exited {record.wait()}: {out}", flush=True)
+
+
+def summarize(path: Path, top: int = 6) -> str:
+    """Per thread of a `--format raw` recording: its samples and where the most of them were (innermost frame,
+    with the frame of our code nearest to it), as markdown."""
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        thread, *frames = stack.split(";")
+        ours = next((f for f in reversed(frames) if "backends/" in f or "perf/" in f or "model.py" in f), "-")
+        threads[thread.split(": ", 1)[-1]][(frames[-1] if frames else "-", ours)] += int(count)
+    lines = ["| thread | samples | innermost frame | nearest frame of ours | share of the thread |",
+             "|---|---|---|---|---|"]
+    for name, places in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
+        total = sum(places.values())
+        for i, ((leaf, ours), n) in enumerate(places.most_common(top)):
+            head = f"{name} | {total}" if i == 0 else " | "
+            lines.append(f"| {head} | {leaf} | {ours} | {n / total:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf.stub_profile", description=summarize.__doc__)
+    parser.add_argument("recording", type=Path)
+    print(summarize(parser.parse_args(argv).recording))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -323,3 +323,18 @@ def test_a_jpeg_with_a_comment_is_another_file_with_the_same_pixels():
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(tagged))), np.asarray(Image.open(io.BytesIO(jpeg))))
     with pytest.raises(ValueError, match="not a JPEG"):
         with_comment(b"\x89PNG", "x")
+
+
+def test_stub_profile_summary_splits_each_thread_by_where_it_was(tmp_path):
+    from perf.stub_profile import summarize
+
+    recording = tmp_path / "stub.txt"
+    recording.write_text(
+        "thread (1): batcher;_loop (backends/core/batcher.py:262);step (backends/whisper/engine.py:194);"
+        "tolist (torch/x.py:1) 30\n"
+        "thread (1): batcher;_loop (backends/core/batcher.py:262);_join (backends/whisper/engine.py:241) 10\n"
+        "thread (2): respond_0;_worker (concurrent/futures/thread.py:81) 5\n")
+    rows = summarize(recording).splitlines()[2:]
+    assert rows[0] == "| batcher | 40 | tolist (torch/x.py:1) | step (backends/whisper/engine.py:194) | 75% |"
+    assert rows[1] == "|  |  | _join (backends/whisper/engine.py:241) | _join (backends/whisper/engine.py:241) | 25% |"
+    assert rows[2] == "| respond_0 | 5 | _worker (concurrent/futures/thread.py:81) | - | 100% |"

@@ -106,8 +106,8 @@ class WhisperEngine:
         self.decoder = SlotDecoder(self.model, slots, cuda_graphs)
         # a join (features, encoder, cross-attention keys and values into the slots) replayed from a graph of 1, 2,
         # 4, ... clips, one launch instead of hundreds from Python, during which the engine's loop launches no
-        # decoder step (H200, perf/results/h200/2026-12-07-whisper-steps.md: one clip's join 17.9 ms op by op, 8.8 ms
-        # a clip in a join of 16)
+        # decoder step. It pays for small joins only: on an H100 one clip took 10.3 ms against 15.5 op by op, 16
+        # clips 142.3 against 143.9, the encoder's compute (perf/results/h100/2026-12-07b-whisper-steps.md)
         self.join_graphs = try_graphs(self._encode_into, [(self.features.n_samples,), ()], [torch.float32, torch.long],
                                       self.device, encoder_batch, exact=True) \
             if cuda_graphs and self.device.type == "cuda" else None

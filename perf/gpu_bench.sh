@@ -15,7 +15,7 @@
 #   "--py-spy /abs/path/py-spy": the stub's threads recorded at the highest concurrency; SAM_ARGS takes it too);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
 #   "sam": the decoder's CUDA graph test, then encoder and decoder requests/s vs concurrency of the served sam,
-#   ViT-H shapes, random bf16 (SAM_ARGS: more perf.sam_bench arguments, e.g. "--concurrency 16");
+#   ViT-H shapes, random bf16 (SAM_ARGS: more perf.sam_bench arguments, e.g. "--concurrency 16 --response-threads 4");
 #   "fp8": the FP8 kernel tests, one linear layer of Llama-3-8B's shapes bf16 vs FP8 (perf.fp8_layers), and the
 #   engine in bf16 vs FP8 on Llama-3-8B shapes, random weights (perf.llm_engine --dtype fp8);
 #   "attention": the paged decode kernel's tests, and the engine on Llama-3-8B shapes in bf16 and FP8 with decode

@@ -4,7 +4,8 @@ COCO run lengths, `mask_format` "rle", then as packed bits, "packed") vs concurr
 `sam` (perf_analyzer, gRPC), the bool masks again with the responses sent by the batcher's own thread
 (`response_threads` 0), beside the engine in process on the same inputs in the same run, and what a cache hit
 saves: the in-process latency of a first click (encoder + decoder) over a second click (decoder only). --py-spy:
-the stub recorded from the start of the first (bool masks) sweep.
+the stub recorded from the start of the first (bool masks) sweep; --response-threads N..: the bool masks again with
+N threads answering (the model reloaded).
 
 python -m perf.sam_bench [--repository model_repository] [--concurrency 1 4 16] [--host NAME]
 """
@@ -124,6 +125,8 @@ def rows_of(label: str, points) -> list[list]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.sam_bench", description=__doc__)
     add_profile_arguments(parser)
+    parser.add_argument("--response-threads", type=int, nargs="*", default=[],
+                        help="the bool-mask sweep again with the model reloaded with each of these response_threads")
     args = bench_arguments(parser, 3000).parse_args(argv)
     images = encoded_images(IMAGES)
     folder = args.repository / "sam" / "1"
@@ -151,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         points, _, lost = sweep("sam", server, write_input_data(tmp / "packed.json", images, 8, "packed"), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
         rows, notes = rows + rows_of("decoder, masks as packed bits (mask_format packed)", points), notes + lost
+        for threads in args.response_threads:
+            reload(client, config, device, response_threads=str(threads))
+            points, _, lost = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
+                                    "concurrency", args.concurrency, args.interval_ms)
+            rows, notes = rows + rows_of(f"decoder, answers on {threads} threads (response_threads {threads})",
+                                         points), notes + lost
         # the responses made and sent by the batcher's own thread, as before response_threads
         reload(client, config, device, response_threads="0")
         before = batched(server)

@@ -87,7 +87,8 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
 
     occupancy: list[list[int]] = []
     run(concurrency)
-    start, steps, fed, occupancy = time.perf_counter(), engine.steps, engine.fed, []
+    occupancy.clear()  # counted over the timed clips only
+    start, steps, fed = time.perf_counter(), engine.steps, engine.fed
     run(clips_per_round)
     seconds, steps = time.perf_counter() - start, engine.steps - steps
     return clips_per_round / seconds, [(engine.fed - fed) / steps, steps / seconds, *np.mean(occupancy, axis=0),
@@ -161,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
              "every 0.25 s: clips in the decoder's slots (joining ones too), joining (encoder not finished) and "
              "waiting for a slot, requests queued ahead of the engine (qos_queue_depth) and their wait from arrival "
              "to start (qos_wait_seconds: preparation included), and perf_analyzer's server queue time (Triton's "
-             "queue, before the model's); in process: the same over the timed clips, the "
-             "clips counted before each step.",
+             "queue, before the model's); in process: the same over the timed clips, counted before each step.",
              *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util",
               *ENGINE_COLUMNS]

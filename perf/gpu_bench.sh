@@ -180,7 +180,7 @@ if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
   else  # Whisper large-v3 shapes (32 + 32 layers x 1280, 128 mel bins), random fp16 weights
     "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
   fi
-  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_whisper.py
+  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_whisper.py tests/unit/test_cuda_graphs.py
   "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}" \
     ${WHISPER_ARGS:-}
   [ "${TINY:-0}" = 1 ] || "$py" -m perf.whisper_steps --version-dir model_repository/whisper/1 --results "$results" \

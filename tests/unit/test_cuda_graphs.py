@@ -73,3 +73,28 @@ def test_a_module_that_cannot_be_captured_runs_op_by_op(caplog):
     assert "CUDA graphs unavailable" in caplog.text
     x = torch.ones(2, 4, device="cuda")
     torch.testing.assert_close(synchronises(x), x * 8)  # the device still works after the failed capture
+
+
+@CUDA
+def test_two_graphed_modules_replayed_at_once_on_two_streams_equal_op_by_op():
+    """Each GraphedBatches captures on a stream of its own. Captured on torch's one capture stream, whisper's join
+    and decoder graphs, replayed at once from two streams, hung an H100 (2026-12-07; our reading: the kernels share
+    that stream's cuBLAS workspace at replay). Long-K products, which cuBLAS may split over K through its workspace."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    weights = [torch.randn(8192, 64, device=device, dtype=torch.bfloat16) / 90 for _ in range(2)]
+    graphed = [GraphedBatches(lambda x, w=w: x @ w, [(8192,)], [torch.bfloat16], device, 4) for w in weights]
+    inputs = [torch.randn(4, 8192, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    outputs: list[list[torch.Tensor]] = [[], []]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    for _ in range(50):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outputs[i].append(graphed[i](inputs[i])[0])
+    torch.cuda.synchronize(device)
+    for x, w, replayed in zip(inputs, weights, outputs):
+        expected = x @ w
+        for out in replayed:
+            torch.testing.assert_close(out, expected)

@@ -233,12 +233,17 @@ class WhisperEngine:
         lower = top is not None and any(c.ticket is not None and c.ticket.rank > top and not c.ticket.overdue(now)
                                         for c in clips)
         try:
-            waves, slots = self.features.waves([clip.audio for clip in clips]), torch.tensor(free[:len(clips)])
+            # pinned on a GPU: copied from pageable memory they would block this loop until the join stream is
+            # through a join still in flight (an encoder of up to 16 clips), with no decoder step launched meanwhile
+            pinned = self.join_stream is not None
+            waves = self.features.waves([clip.audio for clip in clips], pinned)
+            slots = torch.tensor(free[:len(clips)], pin_memory=pinned)
             with torch.inference_mode(), torch.cuda.stream(self.join_stream) if self.join_stream else nullcontext():
                 if self.join_graphs is not None:
                     self.join_graphs(waves, slots)
                 else:
-                    self._encode_into(waves.to(self.device), slots.to(self.device))
+                    self._encode_into(waves.to(self.device, non_blocking=True),
+                                      slots.to(self.device, non_blocking=True))
                 event = self.join_stream.record_event() if self.join_stream else None
             self.encoded += len(clips)
             if lower:

@@ -23,13 +23,13 @@ class LogMel:
         """16 kHz mono clips -> float32 [len(clips), mels, 3000] on `device`."""
         return self.from_waves(self.waves(clips).to(device))
 
-    def waves(self, clips: list[np.ndarray]) -> torch.Tensor:
+    def waves(self, clips: list[np.ndarray], pinned: bool = False) -> torch.Tensor:
         """The clips zero-padded or cut to 30 s: float32 [len(clips), n_samples] on the host (half the bytes of
-        float64 to copy)."""
-        batch = np.zeros((len(clips), self.n_samples), dtype=np.float32)
-        for row, clip in zip(batch, clips):
+        float64 to copy); `pinned`: in page-locked memory, so that a copy to the GPU does not block the host."""
+        batch = torch.zeros((len(clips), self.n_samples), dtype=torch.float32, pin_memory=pinned)
+        for row, clip in zip(batch.numpy(), clips):
             row[:min(len(clip), self.n_samples)] = clip[:self.n_samples]
-        return torch.from_numpy(batch)
+        return batch
 
     def from_waves(self, waves: torch.Tensor) -> torch.Tensor:
         """waves [n, n_samples] -> float32 [n, mels, 3000], on their device, each row on its own (no host copies:

@@ -233,8 +233,8 @@ class WhisperEngine:
         lower = top is not None and any(c.ticket is not None and c.ticket.rank > top and not c.ticket.overdue(now)
                                         for c in clips)
         try:
-            # pinned on a GPU: copied from pageable memory they would block this loop until the join stream is
-            # through a join still in flight (an encoder of up to 16 clips), with no decoder step launched meanwhile
+            # pinned on a GPU: a copy from pageable memory may run synchronously with the host, and then this loop
+            # waits out a join still in flight (an encoder of up to 16 clips) with no decoder step launched meanwhile
             pinned = self.join_stream is not None
             waves = self.features.waves([clip.audio for clip in clips], pinned)
             slots = torch.tensor(free[:len(clips)], pin_memory=pinned)

@@ -77,15 +77,14 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
             add()
         done = 0
         while done < clips:
-            occupancy.append([len(engine.running) - engine.free_slots, sum(len(c) for _, c in engine.joining),
-                              len(engine.waiting)])
+            occupancy.append(engine.occupancy())
             for clip in engine.step():
                 if clip.error is not None:
                     raise clip.error
                 done += 1
                 add()
 
-    occupancy: list[list[int]] = []
+    occupancy: list[tuple[int, int, int]] = []
     run(concurrency)
     occupancy.clear()  # counted over the timed clips only
     start, steps, fed = time.perf_counter(), engine.steps, engine.fed

@@ -32,6 +32,7 @@ from backends.whisper.engine import TASKS, Clip, WhisperEngine, WhisperParams
 
 
 AUDIO = "_audio"  # the tensor between an ensemble's steps: 16 kHz mono float32 samples
+# in the order of WhisperEngine.occupancy()
 GAUGES = {"whisper_clips_running": "clips (30 s chunks) in the decoder's slots, joining ones too",
           "whisper_clips_joining": "clips in a slot whose encoder has not finished (they do not decode yet)",
           "whisper_clips_waiting": "clips waiting for a decoder slot"}
@@ -126,9 +127,7 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
     def after_batch(self) -> None:
         if self.metrics is not None:
             engine = self.engine
-            self.metrics.update({"whisper_clips_running": len(engine.running) - engine.free_slots,
-                                 "whisper_clips_joining": sum(len(clips) for _, clips in engine.joining),
-                                 "whisper_clips_waiting": len(engine.waiting) + len(engine.preempted)},
+            self.metrics.update(dict(zip(GAUGES, engine.occupancy())),
                                 {"whisper_decode_steps_total": engine.steps, "whisper_decode_tokens_total": engine.fed,
                                  "whisper_encoded_clips_total": engine.encoded,
                                  "whisper_preemptions_total": engine.preemptions})

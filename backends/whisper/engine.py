@@ -148,6 +148,12 @@ class WhisperEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.preempted) or self.free_slots < len(self.running)
 
+    def occupancy(self) -> tuple[int, int, int]:
+        """Clips in slots (joining ones too), joining (their encoder not finished: they do not decode yet), and
+        waiting for a slot (preempted ones too)."""
+        return (len(self.running) - self.free_slots, sum(len(clips) for _, clips in self.joining),
+                len(self.waiting) + len(self.preempted))
+
     @property
     def room(self) -> int:
         """Slots free for clips not queued yet."""

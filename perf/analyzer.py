@@ -70,11 +70,12 @@ def run_perf_analyzer(model: str, url: str, input_data: Path, csv_path: Path, *,
 
 
 def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[float], interval_ms: int,
-          watch: bool = False) -> tuple[list[LoadPoint], str | None, list[str]]:
+          watch: bool = False, protocol: str = "grpc") -> tuple[list[LoadPoint], str | None, list[str]]:
     """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
     mean GPU utilisation during it. Returns the points, where the utilisation came from (None: no GPU) and notes on
     levels left out because perf_analyzer found no stable measurement there. `watch`: each point also gets the
-    model's metrics read over its run (what the engine did: steps and tokens counted, clips in its gauges)."""
+    model's metrics read over its run (what the engine did: steps and tokens counted, clips in its gauges).
+    `protocol`: perf_analyzer's, grpc or http."""
     points, source, notes = [], None, []
     for level in levels:
         value = f"{level:g}"
@@ -82,8 +83,9 @@ def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[flo
         try:
             with GpuUtilization(server.metrics_url) as gpu, \
                     MetricsWatch(server.metrics_url, model) if watch else nullcontext() as watched:
-                (point,) = run_perf_analyzer(model, server.grpc_url, data, tmp / f"{model}-{kind}-{value}.csv",
-                                             interval_ms=interval_ms, **args)
+                url = server.grpc_url if protocol == "grpc" else server.http_url
+                (point,) = run_perf_analyzer(model, url, data, tmp / f"{model}-{kind}-{value}.csv",
+                                             protocol=protocol, interval_ms=interval_ms, **args)
             point = dataclasses.replace(point, watched=watched)
         except UnstableMeasurement:
             notes.append(f"{kind} {value}: perf_analyzer found no stable measurement (6 trials); left out.")

@@ -35,37 +35,55 @@ def engine_steps(before: dict[str, float], after: dict[str, float], wall_s: floa
 class MetricsWatch:
     """`with MetricsWatch(server.metrics_url, model) as watch: ...` then `watch.growth` (each series' last reading
     less its first: what counters counted meanwhile), `watch.mean` (each series' mean over readings every
-    `period_s`: gauges) and `watch.seconds`."""
+    `period_s`: gauges) and `watch.seconds`, all over the span in which the model answered requests (from the last
+    reading before its `progress` counter first grew to the first one after it last grew; the whole watch when it
+    never grew): a client's start-up and wind-down (seconds, for perf_analyzer reading its input data) would
+    otherwise count as idle engine time."""
 
-    def __init__(self, metrics_url: str, model: str, period_s: float = 0.25):
-        self.metrics_url, self.model, self.period_s = metrics_url, model, period_s
-        self.readings: list[dict[str, float]] = []
-        self.seconds = 0.0
+    def __init__(self, metrics_url: str, model: str, period_s: float = 0.25,
+                 progress: str = "nv_inference_request_success"):
+        self.metrics_url, self.model, self.period_s, self.progress = metrics_url, model, period_s, progress
+        self.readings: list[tuple[float, dict[str, float]]] = []  # (monotonic time, the model's series)
         self._stop = threading.Event()
 
     def __enter__(self) -> MetricsWatch:
-        self._start = time.monotonic()
-        self.readings.append(model_metrics(self.metrics_url, self.model))
+        self._take()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         return self
 
+    def _take(self) -> None:
+        self.readings.append((time.monotonic(), model_metrics(self.metrics_url, self.model)))
+
     def _read(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.readings.append(model_metrics(self.metrics_url, self.model))
+            self._take()
 
     def __exit__(self, *_) -> None:
         self._stop.set()
         self._thread.join()
-        self.readings.append(model_metrics(self.metrics_url, self.model))
-        self.seconds = time.monotonic() - self._start
+        self._take()
+
+    @property
+    def span(self) -> list[tuple[float, dict[str, float]]]:
+        """The readings from the last one before `progress` first grew to the first one after it last grew."""
+        counts = [reading.get(self.progress, 0.0) for _, reading in self.readings]
+        grew = [i for i in range(1, len(counts)) if counts[i] != counts[i - 1]]
+        return self.readings[grew[0] - 1:grew[-1] + 1] if grew else self.readings
+
+    @property
+    def seconds(self) -> float:
+        span = self.span
+        return span[-1][0] - span[0][0]
 
     @property
     def growth(self) -> dict[str, float]:
-        first = self.readings[0]
-        return {name: value - first.get(name, 0.0) for name, value in self.readings[-1].items()}
+        span = self.span
+        first = span[0][1]
+        return {name: value - first.get(name, 0.0) for name, value in span[-1][1].items()}
 
     @property
     def mean(self) -> dict[str, float]:
-        names = set().union(*self.readings)
-        return {name: sum(r.get(name, 0.0) for r in self.readings) / len(self.readings) for name in names}
+        readings = [reading for _, reading in self.span]
+        names = set().union(*readings)
+        return {name: sum(r.get(name, 0.0) for r in readings) / len(readings) for name in names}

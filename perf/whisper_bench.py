@@ -91,30 +91,33 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
     run(clips_per_round)
     seconds, steps = time.perf_counter() - start, engine.steps - steps
     return clips_per_round / seconds, [(engine.fed - fed) / steps, steps / seconds, *np.mean(occupancy, axis=0),
-                                       "-", "-", "-"]
+                                       "-", "-", "-", "-"]
 
 
 ENGINE_COLUMNS = ["decode batch", "decoder steps/s", "clips in slots", "joining", "waiting", "queued",
-                  "queue wait ms", "Triton queue ms"]
+                  "queue wait ms", "in model ms", "Triton queue ms"]
 
 
 def engine_columns(point: LoadPoint) -> list[float]:
     """The served engine over a perf_analyzer run: clips per decoder step, decoder steps/s, the mean clips in its
-    slots, joining (in a slot, encoder not finished) and waiting for a slot (its gauges), and the mean requests
-    queued ahead of it and their mean wait from arrival to start (QoS metrics; preparation included), and their
-    wait in Triton's queue before that (perf_analyzer's server-side figure)."""
+    slots, joining (in a slot, encoder not finished) and waiting for a slot (its gauges), the mean requests queued
+    ahead of it, their mean wait from arrival to start (QoS metrics; preparation included) and their mean time from
+    arrival to answer, and their wait in Triton's queue before that (perf_analyzer's server-side figure)."""
     growth, mean = point.watched.growth, point.watched.mean
     steps = growth.get("whisper_decode_steps_total", 0.0)
     return [growth.get("whisper_decode_tokens_total", 0.0) / max(steps, 1.0), steps / point.watched.seconds,
             *(mean.get(f"whisper_clips_{name}", 0.0) for name in ("running", "joining", "waiting")),
             mean.get("qos_queue_depth", 0.0),
-            1e3 * growth.get("qos_wait_seconds_sum", 0.0) / max(growth.get("qos_wait_seconds_count", 0.0), 1.0),
+            *(1e3 * growth.get(f"qos_{name}_seconds_sum", 0.0) / max(growth.get(f"qos_{name}_seconds_count", 0.0), 1.0)
+              for name in ("wait", "request")),
             point.server_queue_us / 1e3]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.whisper_bench", description=__doc__)
     add_profile_arguments(parser)
+    parser.add_argument("--http-too", action="store_true", help="the highest concurrency again with perf_analyzer "
+                        "over HTTP (the sweep is over gRPC): whether the transport sets the served pace")
     args = bench_arguments(parser, 4000, concurrency=(1, 16, 64)).parse_args(argv)
     items = clips()
     mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
@@ -135,15 +138,20 @@ def main(argv: list[str] | None = None) -> int:
         with stub_profile(args, server, "whisper"):
             top_points, _, top_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
                                              watch=True)
-        points, notes = points + top_points, notes + top_notes
-    rows = [[f"Triton, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, p.p50_us / 1e3,
-             p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%", *engine_columns(p)]
-            for p in points]
+        points, notes = [("Triton", p) for p in points + top_points], notes + top_notes
+        if args.http_too:
+            http_points, _, http_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
+                                               watch=True, protocol="http")
+            points, notes = points + [("Triton over HTTP", p) for p in http_points], notes + http_notes
+    rows = [[f"{how}, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, 1e3 * p.load / p.throughput,
+             p.p50_us / 1e3, p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%",
+             *engine_columns(p)] for how, p in points]
     hardware = hardware_line(version)
     load = max(args.concurrency)
     params = {key: value["string_value"] for key, value in config["parameters"].items()}
     rate, engine = in_process(folder, items, load, params, device, clips_per_round=4 * load)
-    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-", *engine])
+    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-", "-",
+                 *engine])
     best = max(r[1] for r in rows[:-1]) if len(rows) > 1 else float("nan")
     notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
              f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "
@@ -156,14 +164,19 @@ def main(argv: list[str] | None = None) -> int:
              f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
              f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "
              f"process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
-             "Engine columns, served: over the whole perf_analyzer run (its warm-up and trials too), clips fed per "
+             "Engine columns, served: over the perf_analyzer run while the model answered (from the last reading "
+             "before its first answer to the first after its last: perf_analyzer's start-up left out), clips fed per "
              "decoder step and steps/s from the model's whisper_decode_* counters, and the means of its gauges read "
              "every 0.25 s: clips in the decoder's slots (joining ones too), joining (encoder not finished) and "
-             "waiting for a slot, requests queued ahead of the engine (qos_queue_depth) and their wait from arrival "
-             "to start (qos_wait_seconds: preparation included), and perf_analyzer's server queue time (Triton's "
-             "queue, before the model's); in process: the same over the timed clips, counted before each step.",
+             "waiting for a slot, requests queued ahead of the engine (qos_queue_depth), their mean wait from "
+             "arrival to start (qos_wait_seconds: preparation included) and from arrival to answer "
+             "(qos_request_seconds: in model), and perf_analyzer's server queue time (Triton's queue, before the "
+             "model's); latency mean is at the client, concurrency / clips/s (Little's law, in perf_analyzer's "
+             "closed loop): clips/s x (it - in model) requests were outside the model at any time. In process: "
+             "the same over the timed clips, counted before each step.",
              *notes]
-    header = ["setup", "clips/s", "audio s/s (RTFx)", "latency p50 ms", "latency p99 ms", "GPU util",
+    header = ["setup", "clips/s", "audio s/s (RTFx)", "latency mean ms", "latency p50 ms", "latency p99 ms",
+              "GPU util",
               *ENGINE_COLUMNS]
     print(write_table(args.results / args.host, "whisper-throughput", header, rows, hardware, notes), flush=True)
     return 0

@@ -305,8 +305,7 @@ class BatchedBackend(TritonBackend[P]):
         return [outputs[i] for i in range(len(batch))]
 
     def _update_qos_metrics(self) -> None:
-        admission = self.qos.admission
-        self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
+        self.qos_metrics.update(self.qos.admission.drain())
 
     def _update_metrics(self) -> None:
         """On the batcher thread, after a batch's responses."""

@@ -79,4 +79,19 @@ def try_graphs(module: Callable, shapes: Sequence[tuple[int, ...]], dtypes: Sequ
     except Exception as exc:  # a CPU synchronisation or an op that capture refuses: a slower path, not a failure
         log.warning("CUDA graphs unavailable for this engine (%s: %s); running it op by op", type(exc).__name__, exc)
         torch.cuda.synchronize(device)
+        try:
+            end_random_capture(device)
+        except Exception as again:
+            log.warning("after the failed capture, random ops on %s may fail (%s: %s)", device,
+                        type(again).__name__, again)
         return None
+
+
+def end_random_capture(device: torch.device) -> None:
+    """A capture that failed leaves the device's random generator marked as capturing (torch clears the mark only
+    at a capture's successful end), and every random op on the device then raises "Offset increment outside graph
+    capture" (an H100, 2026-12-07: torch.randn after a capture refused a sync). A capture that succeeds clears it."""
+    scratch = torch.zeros(1, device=device)
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream(device)):
+        scratch.add_(1)
+    torch.cuda.synchronize(device)

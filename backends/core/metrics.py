@@ -63,8 +63,8 @@ class RequestHistograms:
 
 
 class QosMetrics:
-    """Per-class QoS series (label `qos_class`): queue depth, admitted, refused by reason, and the wait from arrival
-    to start as a histogram."""
+    """Per-class QoS series (label `qos_class`): queue depth, admitted, refused by reason, and as histograms the wait
+    from arrival to start and the latency from arrival to end (in the model: Triton's queue before it not counted)."""
 
     WAIT_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
@@ -77,17 +77,20 @@ class QosMetrics:
             rejected := pb.MetricFamily("qos_rejected_total", "requests refused (UNAVAILABLE), per QoS class and reason",
                                         pb.MetricFamily.COUNTER),
             wait := pb.MetricFamily("qos_wait_seconds", "time from arrival to start, per QoS class",
-                                    pb.MetricFamily.HISTOGRAM)]
+                                    pb.MetricFamily.HISTOGRAM),
+            latency := pb.MetricFamily("qos_request_seconds", "time from arrival to end of the requests that "
+                                       "started, per QoS class", pb.MetricFamily.HISTOGRAM)]
         by_class = {c: {**labels, "qos_class": c} for c in classes}
         self.depth = {c: depth.Metric(by_class[c]) for c in classes}
         self.admitted = {c: admitted.Metric(by_class[c]) for c in classes}
         self.rejected = {(c, r): rejected.Metric({**by_class[c], "reason": r}) for c in classes for r in reasons}
         self.wait = {c: wait.Metric(by_class[c], buckets=self.WAIT_BUCKETS_S) for c in classes}
+        self.latency = {c: latency.Metric(by_class[c], buckets=self.WAIT_BUCKETS_S) for c in classes}
         self.counted: dict = {}
         self.shown: dict[str, int] = {}  # depths last set
 
-    def update(self, stats: dict, waits: dict[str, list[float]]) -> None:
-        """`stats`: backends.core.qos.ClassStats by class (running totals); `waits`: new waits by class."""
+    def update(self, stats: dict) -> None:
+        """`stats`: backends.core.qos.ClassStats by class (running totals, new waits and latencies: its `drain`)."""
         for c, s in stats.items():
             if self.shown.get(c) != s.queued:  # only what changed (see CustomMetrics.update)
                 self.depth[c].set(s.queued)
@@ -95,8 +98,10 @@ class QosMetrics:
             self._advance(self.admitted[c], s.admitted)
             for reason, total in s.rejected.items():
                 self._advance(self.rejected[c, reason], total)
-            for value in waits.get(c, ()):
+            for value in s.waits:
                 self.wait[c].observe(value)
+            for value in s.latencies:
+                self.latency[c].observe(value)
 
     def _advance(self, counter, total: int) -> None:
         done = self.counted.get(id(counter), 0)
@@ -105,6 +110,6 @@ class QosMetrics:
             self.counted[id(counter)] = total
 
     def close(self) -> None:
-        for series in (self.depth, self.admitted, self.rejected, self.wait):
+        for series in (self.depth, self.admitted, self.rejected, self.wait, self.latency):
             series.clear()
         self.families.clear()

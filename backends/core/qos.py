@@ -117,10 +117,13 @@ class Ticket:
             self.gate.leave(self, started=True)
 
     def end(self) -> None:
-        """It ended (finished, cancelled, failed); if it never started, it leaves the queue uncounted."""
+        """It ended (finished, cancelled, failed); if it never started, it leaves the queue uncounted; if it did,
+        its time from arrival to end is counted."""
         self.ended = True
         if self.gate is not None:
             self.gate.leave(self, started=False)
+            if self.started:
+                self.gate.ended(self)
 
 
 @dataclass
@@ -128,7 +131,8 @@ class ClassStats:
     queued: int = 0
     admitted: int = 0
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTIONS, 0))
-    waits: list[float] = field(default_factory=list)  # seconds from arrival to start, since the last `drain_waits`
+    waits: list[float] = field(default_factory=list)  # seconds from arrival to start, since the last `drain`
+    latencies: list[float] = field(default_factory=list)  # from arrival to end (started ones), since the last `drain`
 
 
 class Admission:
@@ -165,16 +169,17 @@ class Admission:
             self.stats[ticket.qos_class].rejected["timeout"] += 1
         self.leave(ticket, started=False)
 
-    def drain_waits(self) -> dict[str, list[float]]:
+    def ended(self, ticket: Ticket) -> None:
         with self._lock:
-            waits = {name: s.waits for name, s in self.stats.items()}
-            for s in self.stats.values():
-                s.waits = []
-            return waits
+            self.stats[ticket.qos_class].latencies.append(time.monotonic() - ticket.arrival)
 
-    def snapshot(self) -> dict[str, ClassStats]:
+    def drain(self) -> dict[str, ClassStats]:
+        """Each class's counts, with its waits and latencies since the last drain (taken out)."""
         with self._lock:
-            return {name: dataclasses.replace(s, rejected=dict(s.rejected), waits=[]) for name, s in self.stats.items()}
+            stats = {name: dataclasses.replace(s, rejected=dict(s.rejected)) for name, s in self.stats.items()}
+            for s in self.stats.values():
+                s.waits, s.latencies = [], []
+            return stats
 
 
 class QosPolicy:

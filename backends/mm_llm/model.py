@@ -403,8 +403,7 @@ class TritonPythonModel(TritonBackend[EngineConfig]):
         self.metrics.update(gauges, totals)
         while self.finished_timings:
             self.request_metrics.observe(*self.finished_timings.popleft())
-        admission = self.engine.qos.admission
-        self.qos_metrics.update(admission.snapshot(), admission.drain_waits())
+        self.qos_metrics.update(self.engine.qos.admission.drain())
 
     def _text(self, text: str, finish_reason: str | None = None):
         outputs = [self.pb.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]

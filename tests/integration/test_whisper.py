@@ -14,6 +14,7 @@ from backends.media.audio import decode_audio
 from backends.mm_whisper.model import COUNTERS, GAUGES
 from backends.whisper.chunking import merge, split
 from client.sdk import Client
+from perf.server_metrics import model_metrics
 from tests.conftest import wav
 from tests.integration.reference import whisper_tokens
 from tests.integration.test_llm import metric
@@ -36,6 +37,7 @@ def test_concurrent_requests_equal_transformers(server, reference):
             return client.transcribe(wav(ask[0], subtype="FLOAT"), *ask[1:])
 
     before = {name: metric(server, name, "whisper") for name in COUNTERS}
+    answered = model_metrics(server.metrics_url, "whisper").get("qos_request_seconds_count", 0.0)
     with ThreadPoolExecutor(len(asks)) as pool:
         served = list(pool.map(one, asks))
     for (clip, language, task, budget), (text, tokens) in zip(asks, served):
@@ -56,6 +58,10 @@ def test_concurrent_requests_equal_transformers(server, reference):
             time.monotonic() < deadline:
         time.sleep(0.05)
     assert gauges == idle
+    # each request's time in the model, arrival to answer: one observation each, no shorter than its wait to start
+    after = model_metrics(server.metrics_url, "whisper")
+    assert after["qos_request_seconds_count"] - answered == len(asks)
+    assert after["qos_request_seconds_sum"] >= after["qos_wait_seconds_sum"] > 0
 
 
 @pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_24"), ("OGG", "VORBIS")])

@@ -111,7 +111,7 @@ def test_waiting_requests_run_by_class_then_score():
     batcher.close()
     assert run.batches == [["first"], ["high"], ["normal-small"], ["normal-big"], ["low"]]
     assert jobs[0][2]["output"] == "out-low"
-    assert all(s.queued == 0 for s in policy.admission.snapshot().values())
+    assert all(s.queued == 0 for s in policy.admission.drain().values())
 
 
 
@@ -159,7 +159,7 @@ def test_close_refuses_waiting_requests_and_later_ones():
     late, late_done, late_result = make_job(policy, "late")
     batcher.put(late)
     assert late_done.is_set() and "unloaded" in str(late_result["output"])
-    assert all(s.queued == 0 for s in policy.admission.snapshot().values())
+    assert all(s.queued == 0 for s in policy.admission.drain().values())
 
 
 def test_a_request_past_its_timeout_is_refused_and_counted():
@@ -171,7 +171,7 @@ def test_a_request_past_its_timeout_is_refused_and_counted():
     assert late_done.wait(5)
     batcher.close()
     assert isinstance(late_result["output"], Unavailable) and "timeout" in str(late_result["output"])
-    assert policy.admission.snapshot()["low"].rejected["timeout"] == 1
+    assert policy.admission.drain()["low"].rejected["timeout"] == 1
     assert run.batches == [["blocker"]]
 
 
@@ -285,4 +285,4 @@ def test_continuous_batcher_answers_every_held_request_on_a_failed_step_and_at_c
     time.sleep(0.05)
     batcher.close()
     assert held_done.is_set() and isinstance(held_result["output"], Unavailable)
-    assert all(s.queued == 0 for s in policy.admission.snapshot().values())
+    assert all(s.queued == 0 for s in policy.admission.drain().values())

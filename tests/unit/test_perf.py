@@ -149,6 +149,21 @@ def test_gpu_utilisation_is_read_from_server_metrics():
     assert server_gpu_utilization("http://127.0.0.1:9/metrics") is None  # nothing listening
 
 
+def test_metrics_watch_counts_only_while_the_model_answered():
+    """perf_analyzer's start-up (reading its input data) and wind-down are idle time the engine's means leave out:
+    from the last reading before the first answer to the first after the last."""
+    from perf.server_metrics import MetricsWatch
+
+    watch = MetricsWatch("unused", "m")
+    done, busy = "nv_inference_request_success", "whisper_clips_running"
+    watch.readings = [(t, {done: d, busy: b}) for t, d, b in
+                      [(0, 5, 0), (1, 5, 0), (2, 5, 8), (3, 9, 8), (4, 13, 8), (5, 15, 0), (6, 15, 0)]]
+    assert watch.seconds == 3 and watch.growth[done] == 10  # readings at 2 to 5 s
+    assert watch.mean[busy] == 6
+    watch.readings = [(t, {done: 5, busy: 1}) for t in range(3)]  # nothing answered: the whole watch
+    assert watch.seconds == 2 and watch.mean[busy] == 1
+
+
 def test_whisper_bench_inputs_are_real_audio_with_their_token_budget(tmp_path):
     import base64
     import json

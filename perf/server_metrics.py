@@ -37,11 +37,12 @@ class MetricsWatch:
     less its first: what counters counted meanwhile), `watch.mean` (each series' mean over readings every
     `period_s`: gauges) and `watch.seconds`, all over the span in which the model answered requests (from the last
     reading before its `progress` counter first grew to the first one after it last grew; the whole watch when it
-    never grew): a client's start-up and wind-down (seconds, for perf_analyzer reading its input data) would
-    otherwise count as idle engine time."""
+    never grew): a client's start-up and wind-down would otherwise count as idle engine time. The default counts
+    the answers of models under our batcher (Triton's nv_inference_request_success counts a request of theirs
+    when `execute` returns, before its answer)."""
 
     def __init__(self, metrics_url: str, model: str, period_s: float = 0.25,
-                 progress: str = "nv_inference_request_success"):
+                 progress: str = "qos_request_seconds_count"):
         self.metrics_url, self.model, self.period_s, self.progress = metrics_url, model, period_s, progress
         self.readings: list[tuple[float, dict[str, float]]] = []  # (monotonic time, the model's series)
         self._stop = threading.Event()

@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--py-spy", type=Path, help="a py-spy binary: record the model's stub during the run named "
                         "in this benchmark's description, into RESULTS/HOST/<date>-<model>-stub.txt")
     parser.add_argument("--py-spy-seconds", type=int, default=10)
+    parser.add_argument("--py-spy-gil", action="store_true", help="only samples of threads holding the GIL (py-spy "
+                        "--gil; into ...-stub-gil.txt): who holds it and where, at py-spy's 100 samples a second")
 
 
 @contextlib.contextmanager
@@ -31,10 +33,10 @@ def stub_profile(args: argparse.Namespace, server, model: str):
                            capture_output=True, text=True)
     folder = args.results / args.host
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{datetime.date.today()}-{model}-stub.txt"
+    out = folder / f"{datetime.date.today()}-{model}-stub{'-gil' if args.py_spy_gil else ''}.txt"
     record = subprocess.Popen([str(args.py_spy), "record", "--pid", found.stdout.split()[0], "--duration",
-                               str(args.py_spy_seconds), "--idle", "--threads", "--nonblocking", "--format", "raw",
-                               "--output", str(out)])
+                               str(args.py_spy_seconds), "--gil" if args.py_spy_gil else "--idle", "--threads",
+                               "--nonblocking", "--format", "raw", "--output", str(out)])
     try:
         yield
     finally:

@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
              "model's); latency mean is at the client, concurrency / clips/s (Little's law, in perf_analyzer's "
              "closed loop): clips/s x (it - in model) requests were outside the model at any time. In process: "
              "the same over the timed clips, counted before each step.",
+             *(f"{how}, concurrency {p.load:g}: Triton's compute input / infer / output (perf_analyzer's server-side "
+               f"figures; infer is `execute`, which only queues the request) {p.server_compute_input_us / 1e3:.2f} / "
+               f"{p.server_compute_infer_us / 1e3:.2f} / {p.server_compute_output_us / 1e3:.2f} ms."
+               for how, p in points if p.load == load),
              *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency mean ms", "latency p50 ms", "latency p99 ms",
               "GPU util",

@@ -155,7 +155,7 @@ def test_metrics_watch_counts_only_while_the_model_answered():
     from perf.server_metrics import MetricsWatch
 
     watch = MetricsWatch("unused", "m")
-    done, busy = "nv_inference_request_success", "whisper_clips_running"
+    done, busy = "qos_request_seconds_count", "whisper_clips_running"
     watch.readings = [(t, {done: d, busy: b}) for t, d, b in
                       [(0, 5, 0), (1, 5, 0), (2, 5, 8), (3, 9, 8), (4, 13, 8), (5, 15, 0), (6, 15, 0)]]
     assert watch.seconds == 3 and watch.growth[done] == 10  # readings at 2 to 5 s

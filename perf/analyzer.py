@@ -93,8 +93,9 @@ def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[flo
         except RuntimeError as e:  # e.g. a load the client side cannot generate: said in the results, not hidden
             if "Failed to maintain requested inference load" not in str(e):
                 raise
+            said = [line for line in str(e).splitlines() if "rror" in line or "fail" in line.lower()]
             notes.append(f"{kind} {value}: perf_analyzer could not keep that load up (its worker threads' requests "
-                         "failed); left out.")
+                         f"failed: {said[-1].strip()[:200] if said else 'no reason given'}); left out.")
             continue
         points.append(dataclasses.replace(point, gpu_util=gpu.mean))
         source = source or gpu.source

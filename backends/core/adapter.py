@@ -44,7 +44,9 @@ FAULT_PARAMETER = "inject_fault"
 # our batcher's metrics (Triton's statistics count one execution per request when it batches)
 BATCHER_GAUGES = {"batcher_window_seconds": "how long a batch that is not full waits for more requests now"}
 BATCHER_COUNTERS = {"batcher_batches_total": "batches run by the model's own batcher",
-                    "batcher_requests_total": "requests in those batches (÷ batches = mean batch size)"}
+                    "batcher_requests_total": "requests in those batches (÷ batches = mean batch size)",
+                    "batcher_metrics_seconds_total": "time the batcher's thread spent updating metrics (a round trip "
+                                                     "to the server each)"}
 
 
 class TritonLogHandler(logging.Handler):
@@ -312,7 +314,8 @@ class BatchedBackend(TritonBackend[P]):
         self._update_qos_metrics()
         self.batch_metrics.update({"batcher_window_seconds": self.batcher.window.current_s},
                                   {"batcher_batches_total": self.batcher.batches,
-                                   "batcher_requests_total": self.batcher.requests})
+                                   "batcher_requests_total": self.batcher.requests,
+                                   "batcher_metrics_seconds_total": self.batcher.after_seconds})
         self.after_batch()
 
     # --- both -------------------------------------------------------------------------------------------------

@@ -131,6 +131,7 @@ class Batcher:
         self._cond = threading.Condition()
         self._closed = False
         self.batches = self.requests = 0  # run so far (the batch being run counts)
+        self.after_seconds = 0.0  # spent in `after` (metrics: a round trip to the server each)
         self._thread = start_thread(setup, self._loop, name)
 
     def put(self, job: Job) -> None:
@@ -173,13 +174,18 @@ class Batcher:
             log.exception("batch of %d failed", len(batch))
             outputs = [e] * len(batch)
         now = time.monotonic()
-        try:
-            self._after()
-        except Exception:
-            log.exception("after a batch")
+        self._run_after("after a batch")
         for job, output in zip(batch, outputs):
             answer(job, output)
             self.window.finished(now - job.ticket.arrival)
+
+    def _run_after(self, what: str) -> None:
+        start = time.perf_counter()
+        try:
+            self._after()
+        except Exception:
+            log.exception(what)
+        self.after_seconds += time.perf_counter() - start
 
     def _next_batch(self) -> list[Job] | None:
         with self._cond:
@@ -281,10 +287,7 @@ class ContinuousBatcher(Batcher):
         self._changed = self._changed or bool(jobs or finished)
         if self._changed and (not self.engine.busy or now - self._after_at >= self.AFTER_EVERY_S):
             self._changed, self._after_at = False, now
-            try:
-                self._after()
-            except Exception:
-                log.exception("after a step")
+            self._run_after("after a step")
 
     def _take(self) -> list[Job] | None:
         """Jobs to admit before the next step (none while the engine is full); None once closed."""

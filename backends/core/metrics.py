@@ -15,7 +15,7 @@ class CustomMetrics:
         self.counted = dict.fromkeys(counters, 0)
         self.shown: dict[str, float] = {}  # gauges' last values set
 
-    def update(self, gauges: dict[str, float] | None = None, totals: dict[str, int] | None = None) -> None:
+    def update(self, gauges: dict[str, float] | None = None, totals: dict[str, float] | None = None) -> None:
         """Only what changed: each call is a round trip to the server that holds the GIL, and an idle model that
         keeps making them can be caught in one when Triton unloads it (a hang seen on 2.51)."""
         for name, value in (gauges or {}).items():

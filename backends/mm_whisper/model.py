@@ -39,7 +39,11 @@ GAUGES = {"whisper_clips_running": "clips (30 s chunks) in the decoder's slots, 
 COUNTERS = {"whisper_decode_steps_total": "decoder steps",
             "whisper_decode_tokens_total": "tokens fed by decoder steps (÷ steps = mean decode batch)",
             "whisper_encoded_clips_total": "clips through the encoder",
-            "whisper_preemptions_total": "clips that gave up their slot to a higher QoS class (and start again)"}
+            "whisper_joins_total": "encoder passes (÷ into clips encoded = clips a join: one costs about twice "
+                                   "its share in a batch)",
+            "whisper_preemptions_total": "clips that gave up their slot to a higher QoS class (and start again)",
+            "whisper_decode_seconds_total": "time in decoder steps: their launch and the wait for their choices",
+            "whisper_join_seconds_total": "time the engine's loop spent starting joins (on a GPU their launch)"}
 
 
 @dataclass
@@ -129,8 +133,10 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
             engine = self.engine
             self.metrics.update(dict(zip(GAUGES, engine.occupancy())),
                                 {"whisper_decode_steps_total": engine.steps, "whisper_decode_tokens_total": engine.fed,
-                                 "whisper_encoded_clips_total": engine.encoded,
-                                 "whisper_preemptions_total": engine.preemptions})
+                                 "whisper_encoded_clips_total": engine.encoded, "whisper_joins_total": engine.joins,
+                                 "whisper_preemptions_total": engine.preemptions,
+                                 "whisper_decode_seconds_total": engine.step_seconds,
+                                 "whisper_join_seconds_total": engine.join_seconds})
 
     def finalize(self) -> None:
         super().finalize()

@@ -117,8 +117,10 @@ class WhisperEngine:
         self.joining: list[tuple[torch.cuda.Event, list[Clip]]] = []  # encoders in flight on join_stream
         self.preempted: collections.deque[Clip] = collections.deque()  # rejoin from scratch after `waiting`
         self.lower = LowerShare(lower_share)  # lower-class clips joining while a higher class decodes (`admits`)
-        # decoder steps, tokens fed by them (clips x steps), clips encoded, clips preempted
-        self.steps = self.fed = self.encoded = self.preemptions = 0
+        # decoder steps, tokens fed by them (clips x steps), joins, clips encoded, clips preempted
+        self.steps = self.fed = self.joins = self.encoded = self.preemptions = 0
+        # seconds in decoder steps (launch and the wait for their choices) and in joins (launch only on a GPU)
+        self.step_seconds = self.join_seconds = 0.0
 
     def check_language(self, language: str | None) -> None:
         if language is not None and language not in self.languages:
@@ -189,19 +191,24 @@ class WhisperEngine:
     def step(self) -> list[Clip]:
         """Let waiting clips start joining, run one decoder step over the clips that have joined; the clips that
         finished (or failed: `error` set)."""
+        start = time.perf_counter()
         done = self._join()
+        self.join_seconds += time.perf_counter() - start
         self._joined()
         used = [i for i, clip in enumerate(self.running) if clip is not None and clip.joined]
         if not used:
             return done
         rows = [clip if clip is not None and clip.joined else None for clip in self.running[:used[-1] + 1]]
         self.steps, self.fed = self.steps + 1, self.fed + len(used)
+        start = time.perf_counter()
         try:
             choices = self.decoder.step([clip.feed[0] if clip else self.eot for clip in rows],
                                         [clip.position if clip else 0 for clip in rows])
         except Exception as e:  # the step's clips fail; the engine stays usable for the next ones
             log.exception("whisper decoder step failed")
             return done + [self._leave(clip, e) for clip in rows if clip is not None]
+        finally:
+            self.step_seconds += time.perf_counter() - start
         for clip, (language, token, first) in zip(rows, choices):
             if clip is not None and self._advance(clip, language, first if clip.position == PROMPT - 1 else token):
                 done.append(self._leave(clip))
@@ -251,7 +258,7 @@ class WhisperEngine:
                     self._encode_into(waves.to(self.device, non_blocking=True),
                                       slots.to(self.device, non_blocking=True))
                 event = self.join_stream.record_event() if self.join_stream else None
-            self.encoded += len(clips)
+            self.joins, self.encoded = self.joins + 1, self.encoded + len(clips)
             if lower:
                 end = time.monotonic()
                 self.lower.spent(end - now, end)

@@ -89,6 +89,8 @@ def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whis
     assert sharing["positions"] >= 3  # clips at three different positions shared a step
     assert sharing["clips_per_slot"] >= 2  # a slot freed by one clip served another
     assert not engine.has_work and engine.free_slots == 3
+    assert engine.step_seconds > 0 and engine.join_seconds > 0  # the loop's time split (whisper_*_seconds_total)
+    assert 0 < engine.joins < engine.encoded == len(clips)  # some joins took two clips (encoder_batch 2)
 
 
 def test_a_higher_class_preempts_the_last_low_clip_which_restarts_with_the_same_tokens(whisper_checkpoint):

@@ -296,6 +296,17 @@ def asked_twice(url: str, image: bytes, label: str, tokenizer, count, input_toke
     return rows, note
 
 
+def reload_with(client, model: str, config: dict, device: str, **parameters: str) -> None:
+    """`model` again with these parameters over its config's. Unloaded first: Triton 2.51 aborts when a model with
+    custom metrics is reloaded in place (the new instance registers the same metric families while the old one
+    still holds them)."""
+    client.unload_model(model)
+    wait_unloaded(client, model, device)
+    changed = {**config, "parameters": {**config["parameters"],
+                                        **{key: {"string_value": value} for key, value in parameters.items()}}}
+    client.load_model(model, config=json.dumps(changed))
+
+
 def wait_unloaded(client, model: str, device: str, timeout_s: float = 120) -> None:
     """Until Triton reports the model unloaded and, on a GPU, its memory is back (the stub exits after that)."""
     import torch

@@ -25,7 +25,7 @@ from backends.server import TritonServer, free_port
 from perf.analyzer import sweep
 from perf.gpu import served_device
 from perf.inputs import bytes_entry, encoded_images
-from perf.llm_scenarios import wait_unloaded
+from perf.llm_scenarios import reload_with
 from perf.report import bench_arguments, hardware_line, write_table
 from perf.server_metrics import model_metrics
 from perf.stub_profile import add_arguments as add_profile_arguments, stub_profile
@@ -106,17 +106,6 @@ def mean_batch(before: tuple[float, float], after: tuple[float, float]) -> float
     return (after[0] - before[0]) / max(1.0, after[1] - before[1])
 
 
-def reload(client, config: dict, device: str, **parameters: str) -> None:
-    """`sam` again with these parameters over the built ones. Unloaded first: Triton 2.51 aborts when a model with
-    custom metrics is reloaded in place (the new instance registers the same metric families while the old one
-    still holds them)."""
-    client.unload_model("sam")
-    wait_unloaded(client, "sam", device)
-    changed = {**config, "parameters": {**config["parameters"],
-                                        **{key: {"string_value": value} for key, value in parameters.items()}}}
-    client.load_model("sam", config=json.dumps(changed))
-
-
 def rows_of(label: str, points) -> list[list]:
     return [[label, p.load, p.throughput, p.p50_us / 1e3, p.p99_us / 1e3,
              "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%"] for p in points]
@@ -155,20 +144,20 @@ def main(argv: list[str] | None = None) -> int:
                                 "concurrency", args.concurrency, args.interval_ms)
         rows, notes = rows + rows_of("decoder, masks as packed bits (mask_format packed)", points), notes + lost
         for threads in args.response_threads:
-            reload(client, config, device, response_threads=str(threads))
+            reload_with(client, "sam", config, device, response_threads=str(threads))
             points, _, lost = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
                                     "concurrency", args.concurrency, args.interval_ms)
             rows, notes = rows + rows_of(f"decoder, answers on {threads} threads (response_threads {threads})",
                                          points), notes + lost
         # the responses made and sent by the batcher's own thread, as before response_threads
-        reload(client, config, device, response_threads="0")
+        reload_with(client, "sam", config, device, response_threads="0")
         before = batched(server)
         points, _, lost = sweep("sam", server, write_input_data(tmp / "clicks.json", images, 8), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)
         inline_per_call = mean_batch(before, batched(server))
         rows, notes = rows + rows_of("decoder, sent by the batcher's thread (response_threads 0)", points), \
             notes + lost
-        reload(client, config, device, embedding_cache_mb="0")  # every request runs the encoder
+        reload_with(client, "sam", config, device, embedding_cache_mb="0")  # every request runs the encoder
         client.close()
         points, _, lost = sweep("sam", server, write_input_data(tmp / "images.json", images, 1), tmp,
                                 "concurrency", args.concurrency, args.interval_ms)

@@ -23,6 +23,7 @@ from backends.server import TritonServer, free_port
 from perf.analyzer import LoadPoint, sweep
 from perf.gpu import served_device
 from perf.inputs import bytes_entry
+from perf.llm_scenarios import reload_with
 from perf.report import bench_arguments, hardware_line, write_table
 from perf.stub_profile import add_arguments as add_profile_arguments, stub_profile
 
@@ -65,7 +66,8 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
     from backends.whisper.engine import Clip, WhisperEngine
 
     engine = WhisperEngine(folder, params["dtype"], device, int(params["max_batch"]), int(params["encoder_batch"]),
-                           params["cuda_graphs"] == "true")
+                           params["cuda_graphs"] == "true", join_min=int(params.get("join_min", "1")),
+                           join_wait_s=float(params.get("join_wait_ms", "50")) / 1000)
     cycle = itertools.cycle([(decode_audio(audio), tokens) for audio, _, tokens in items])
 
     def add() -> None:
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     add_profile_arguments(parser)
     parser.add_argument("--http-too", action="store_true", help="the highest concurrency again with perf_analyzer "
                         "over HTTP (the sweep is over gRPC): whether the transport sets the served pace")
+    parser.add_argument("--join-min-too", type=int, nargs="*", default=[], help="the highest concurrency again with "
+                        "the model reloaded with each of these join_min (over HTTP with --http-too), and in process")
     args = bench_arguments(parser, 4000, concurrency=(1, 16, 64)).parse_args(argv)
     items = clips()
     mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
@@ -151,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
             http_points, _, http_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
                                                watch=True, protocol="http")
             points, notes = points + [("Triton over HTTP", p) for p in http_points], notes + http_notes
+        protocol = "http" if args.http_too else "grpc"
+        for join_min in args.join_min_too:
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            reload_with(client, "whisper", config, device, join_min=str(join_min))
+            client.close()
+            tried, _, tried_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
+                                          watch=True, protocol=protocol)
+            points, notes = points + [(f"Triton ({protocol}), join_min {join_min}", p) for p in tried], \
+                notes + tried_notes
     rows = [[f"{how}, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, 1e3 * p.load / p.throughput,
              p.p50_us / 1e3, p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%",
              *engine_columns(p)] for how, p in points]
@@ -160,14 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     rate, engine = in_process(folder, items, load, params, device, clips_per_round=4 * load)
     rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-", "-",
                  *engine])
-    best = max(r[1] for r in rows[:-1]) if len(rows) > 1 else float("nan")
+    compared = []
+    for join_min in args.join_min_too:
+        tried_rate, tried_engine = in_process(folder, items, load, {**params, "join_min": str(join_min)}, device,
+                                              clips_per_round=4 * load)
+        rows.append([f"in-process engine, {load} clips in flight, join_min {join_min}", tried_rate,
+                     tried_rate * mean_seconds, "-", "-", "-", "-", *tried_engine])
+        served = [p.throughput for how, p in points if how.endswith(f"join_min {join_min}")]
+        if served:
+            compared.append(f"join_min {join_min}: served / in-process (both with it) {served[0] / tried_rate:.2f}, "
+                            f"served / the default's in-process {served[0] / rate:.2f}.")
+    best = max((p.throughput for how, p in points if "join_min" not in how), default=float("nan"))
     notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
              f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "
              "second of speech) in English. Audio s/s = clips/s x the mean clip length "
              f"({mean_seconds:g} s): the real-time factor's inverse (RTFx).",
              f"Model: {params['dtype']} weights from {Path(engine_meta['checkpoint']).name}, device {device}; "
              f"batch_window {params['batch_window']}, {params['max_batch']} decoder slots, up to "
-             f"{params['encoder_batch']} clips joining per step, CUDA graphs {params['cuda_graphs']}.",
+             f"{params['encoder_batch']} clips joining per step, CUDA graphs {params['cuda_graphs']}, join_min "
+             f"{params.get('join_min', '1')} (join_wait_ms {params.get('join_wait_ms', '50')}).",
              f"In-process: the same engine and parameters with {load} clips always in flight (features, encoder, "
              f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
              f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "
@@ -189,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                f"figures; infer is `execute`, which only queues the request) {p.server_compute_input_us / 1e3:.2f} / "
                f"{p.server_compute_infer_us / 1e3:.2f} / {p.server_compute_output_us / 1e3:.2f} ms."
                for how, p in points if p.load == load),
-             *notes]
+             *compared, *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency mean ms", "latency p50 ms", "latency p99 ms",
               "GPU util",
               *ENGINE_COLUMNS]

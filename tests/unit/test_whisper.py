@@ -153,6 +153,38 @@ def test_lower_class_clips_join_in_their_share_of_time_while_a_higher_class_deco
     assert [c.tokens for c in (high, first, waiter)] == [a.tokens for a in alone]
 
 
+def test_with_join_min_clips_wait_for_company_while_others_decode_and_keep_their_tokens(whisper_checkpoint):
+    """join_min 2: a clip alone joins at once while nothing decodes; while one decodes, a second waits until a third
+    comes (one encoder pass for both) or until it has waited join_wait_s."""
+    from transformers import WhisperForConditionalGeneration
+
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=4, encoder_batch=4, join_min=2, join_wait_s=60)
+    rng = np.random.default_rng(4)
+    clips = [Clip(rng.normal(0, 0.05 * (i + 1), 16000 * (i + 2)).astype(np.float32), "en", "transcribe", 40)
+             for i in range(4)]
+    done = []
+    engine.add(clips[0])
+    done += engine.step()
+    assert (engine.joins, engine.encoded) == (1, 1)  # nothing decoded: no waiting
+    engine.add(clips[1])
+    done += engine.step()
+    assert clips[0] not in done, "the first clip must still decode for this test"
+    assert (engine.joins, list(engine.waiting)) == (1, [clips[1]])  # alone beside a decoding clip: it waits
+    engine.add(clips[2])
+    done += engine.step()
+    assert (engine.joins, engine.encoded) == (2, 3)  # the second and third joined in one pass
+    engine.join_wait_s = 0.0
+    engine.add(clips[3])
+    done += engine.step()
+    assert (engine.joins, engine.encoded) == (3, 4)  # alone, but it has waited join_wait_s
+    while engine.has_work:
+        done += engine.step()
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    assert set(done) == set(clips)
+    for clip in clips:
+        assert clip.tokens == reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
+
+
 def test_with_join_graphs_clips_join_in_whole_graphs_and_keep_their_tokens(whisper_checkpoint):
     """With join graphs of 1, 2 and 4 clips (encoder_batch 4), three clips that could join together join as two,
     then one at the next step: a graph's padding rows would write their garbage into other clips' slots. The graphs

@@ -47,7 +47,7 @@ class WhisperParams(BatchingParams):
     encoder_batch: int = bounded(16, 1)  # clips that join per step (their encoder pass delays that step)
     # while clips decode, waiting clips start joining once this many wait (or as many as there are free slots) or
     # the first has waited join_wait_ms: one clip's encoder pass costs the GPU about twice its share of a batched
-    # one (H200: 17.9 ms against 8.9 ms a clip in 16), and served requests arrive one at a time (1: join at once)
+    # one (H200: 17.9 ms against 8.9 ms a clip in 16), and served requests can arrive one at a time (1: join at once)
     join_min: int = bounded(1, 1)
     join_wait_ms: float = bounded(50.0, 0)
     cuda_graphs: bool = True  # decoder steps and joins replayed from CUDA graphs (GPU only)

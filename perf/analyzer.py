@@ -77,13 +77,13 @@ def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[flo
     model's metrics read over its run (what the engine did: steps and tokens counted, clips in its gauges).
     `protocol`: perf_analyzer's, grpc or http."""
     points, source, notes = [], None, []
+    url = server.grpc_url if protocol == "grpc" else server.http_url
     for level in levels:
         value = f"{level:g}"
         args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
         try:
             with GpuUtilization(server.metrics_url) as gpu, \
                     MetricsWatch(server.metrics_url, model) if watch else nullcontext() as watched:
-                url = server.grpc_url if protocol == "grpc" else server.http_url
                 (point,) = run_perf_analyzer(model, url, data, tmp / f"{model}-{kind}-{value}.csv",
                                              protocol=protocol, interval_ms=interval_ms, **args)
             point = dataclasses.replace(point, watched=watched)

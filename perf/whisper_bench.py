@@ -215,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                for how, p in points if p.load == load),
              *compared, *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency mean ms", "latency p50 ms", "latency p99 ms",
-              "GPU util",
-              *ENGINE_COLUMNS]
+              "GPU util", *ENGINE_COLUMNS]
     print(write_table(args.results / args.host, "whisper-throughput", header, rows, hardware, notes), flush=True)
     return 0
 

@@ -292,12 +292,13 @@ class WhisperEngine:
 
     def _join_now(self, free: int, now: float) -> bool:
         """Whether waiting clips start joining at this step (`join_min`, `join_wait_s`): always when none decodes."""
-        queued = [*self.waiting, *self.preempted]
+        queued = len(self.waiting) + len(self.preempted)
         if not queued or not free:
             return False
-        if len(queued) >= min(self.join_min, free) or now - min(c.added for c in queued) >= self.join_wait_s:
+        if queued >= min(self.join_min, free):
             return True
-        return not any(clip is not None and clip.joined for clip in self.running)
+        oldest = min(clip.added for queue in (self.waiting, self.preempted) for clip in queue)
+        return now - oldest >= self.join_wait_s or not any(c is not None and c.joined for c in self.running)
 
     def _encode_into(self, waves: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Clips' 30 s of samples [n, n_samples] -> their features, encoder output and its cross-attention keys and

@@ -25,11 +25,14 @@ CATEGORIES = (  # first match wins; names of our kernels, then the library's
     ("paged attention (paged_decode.py)", r"_partition_kernel"),
     ("rotary + cache write (rope_cache.py)", r"_rope_write_kernel"),
     ("attention, library (SDPA, flash)", r"flash|fmha|attention"),
+    ("convolution, FFT (cuDNN, cuFFT)", r"conv|fprop|cudnn|fft"),
     ("FP8 GEMM (fp8_gemm.py)", r"_fp8_weight_gemm_kernel"),
     ("LoRA (lora_kernels.py)", r"_shrink_kernel|_expand_kernel"),
     ("library GEMM (cuBLAS, CUTLASS)", r"gemm|cutlass|nvjet|xmma|cublas|splitk|aten::(mm|addmm|bmm|_scaled_mm)$"),
     ("compiled elementwise (torch.compile)", r"^triton_"),
     ("copies and fills", r"memcpy|memset|copy|fill"),
+    ("normalisation, softmax (aten)", r"norm|softmax"),
+    ("elementwise (aten)", r"elementwise|reduce"),
     ("other", r""),
 )
 
@@ -85,6 +88,16 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
         found_syncs = sync_sites(engine, sync_steps)
     while engine.has_work:
         engine.step()
+    found = summarise(prof, cuda, rows, steps, wall)
+    if cuda:
+        found.host_syncs = found_syncs
+    return found
+
+
+def summarise(prof, cuda: bool, rows: int, steps: int, wall: float) -> StepProfile:
+    """A torch.profiler recording of `steps` repeats of one unit of work (`wall` seconds in all) as a StepProfile:
+    per repeat, the device's kernel time by category (on the CPU: aten ops' self time), the costliest kernels and
+    host ops, and how long some kernel ran."""
     per_kernel: Counter[str] = Counter()
     on_host: Counter[str] = Counter()
     for event in prof.key_averages():
@@ -107,7 +120,6 @@ def profile_decode(engine: LLMEngine, rows: int, steps: int = 20, prompt_tokens:
         busy, gaps = device_timeline(spans)
         found.device_busy_ms = busy / 1e3 / steps
         found.idle_gaps = (round(len(gaps) / steps), sum(gaps) / 1e3 / steps)
-        found.host_syncs = found_syncs
     return found
 
 
@@ -162,17 +174,18 @@ def device_timeline(spans: list[tuple[float, float]]) -> tuple[float, list[float
     return busy, gaps
 
 
-def describe(found: StepProfile) -> str:
-    """One line for a results table's notes."""
+def describe(found: StepProfile, work: str | None = None, per: str = "a step") -> str:
+    """One line for a results table's notes: `work` says what was profiled (decode steps by default), `per` what
+    the figures are per; where the host waited is told for decode steps only (`sync_sites`)."""
     parts = ", ".join(f"{label} {ms:.3f}" for label, ms in sorted(found.busy_ms.items(), key=lambda kv: -kv[1]))
     top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in found.top)
     host = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in found.host_top)
     timeline = "" if found.device_busy_ms is None else (
-        f"; some kernel running {found.device_busy_ms:.2f} ms a step, {found.idle_gaps[0]} gaps of >= {GAP_US:.0f} us "
-        f"between kernels a step, {found.idle_gaps[1]:.3f} ms")
-    syncs = "" if found.device_busy_ms is None else "; where the host waits, ms a step: " + (
+        f"; some kernel running {found.device_busy_ms:.2f} ms {per}, {found.idle_gaps[0]} gaps of >= {GAP_US:.0f} us "
+        f"between kernels {per}, {found.idle_gaps[1]:.3f} ms")
+    syncs = "" if found.device_busy_ms is None or work else f"; where the host waits, ms {per}: " + (
         "; ".join(site + ("" if ms is None else f" {ms:.3f}") for site, ms in found.host_syncs) or "none")
-    return (f"decode steps of {found.rows} rows under the profiler: {found.wall_ms:.2f} ms a step, kernels "
-            f"{found.total_ms:.2f} ms ({parts}){timeline}; costliest kernels, ms a step: {top}"
-            + (f"; the host's costliest ops (self time), ms a step: {host}" if host else "")
+    return (f"{work or f'decode steps of {found.rows} rows'} under the profiler: {found.wall_ms:.2f} ms {per}, kernels "
+            f"{found.total_ms:.2f} ms ({parts}){timeline}; costliest kernels, ms {per}: {top}"
+            + (f"; the host's costliest ops (self time), ms {per}: {host}" if host else "")
             + syncs)

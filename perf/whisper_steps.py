@@ -1,7 +1,7 @@
 """Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows and
 clips joining (features + encoder + cross-attention keys/values) 1, 4 or 16 at a time, each op by op and from CUDA
-graphs, and the engine's loop with every slot busy split into joins, decoder steps and the rest (host work between
-steps).
+graphs (with the rate of the encoder's arithmetic, and under torch.profiler: kernel time by kind), and the engine's
+loop with every slot busy split into joins, decoder steps and the rest (host work between steps).
 Milliseconds, the device synchronised after each part (so in the loop the encoders of joining clips do not overlap
 the decoder steps as they do in the engine's own loop: see `whole step, unsynchronised`).
 
@@ -21,6 +21,7 @@ from backends.whisper.decoder import SlotDecoder
 from backends.whisper.engine import Clip, WhisperEngine
 from perf.encoder_stages import timed
 from perf.report import hardware_line, write_table
+from perf.step_profile import StepProfile, describe, summarise
 from perf.whisper_bench import CLIPS
 
 ROWS = (1, 8, 16, 32, 64)
@@ -76,6 +77,31 @@ def loop_shares(engine: WhisperEngine, steps: int) -> dict[str, float]:
             "tokens/s, unsynchronised": overlapped_fed / overlapped}
 
 
+def join_flops(config) -> float:
+    """Floating-point operations of one clip's join: the two input convolutions, the encoder's layers (projections,
+    MLP, attention over all frames) and the decoder's cross-attention keys and values."""
+    frames, d, mlp = config.max_source_positions, config.d_model, config.encoder_ffn_dim
+    convs = 2 * frames * 3 * d * config.num_mel_bins + frames * 3 * d * d  # conv1 over 2x the frames, conv2
+    layer = frames * (4 * d * d + 2 * d * mlp + 2 * frames * d)  # multiply-adds of one encoder layer
+    cross = frames * 2 * d * d * config.decoder_layers
+    return 2.0 * (convs + config.encoder_layers * layer + cross)
+
+
+def profile_join(engine: WhisperEngine, join, clips: int, repeats: int = 5) -> StepProfile:
+    """torch.profiler over `repeats` calls of `join` (clips joining and cleared again), after one warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    join()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            join()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return summarise(prof, True, clips, repeats, wall)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version-dir", type=Path, required=True, help="the whisper engine's version folder")
@@ -84,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop-steps", type=int, default=400)
     parser.add_argument("--results", type=Path, default=Path("perf/results"))
     parser.add_argument("--host", default="gpu")
+    parser.add_argument("--profile-joins", type=int, nargs="*", default=[1, 16],
+                        help="joins of these many clips (from CUDA graphs) under torch.profiler, in the notes")
     args = parser.parse_args(argv)
     engine = WhisperEngine(args.version_dir, args.dtype, "cuda", slots=max(ROWS))
     eager = SlotDecoder(engine.model, max(ROWS), graphs=False)
@@ -100,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append([f"decoder step, {rows} rows", op_by_op, graphed])
     del eager
     audio = [np.random.default_rng(i).normal(0, 0.1, 16000 * 28).astype(np.float32) for i in range(16)]
-    graphs = engine.join_graphs
+    graphs, flops, profiles = engine.join_graphs, join_flops(engine.model.config), []
     for clips in (1, 4, 16):
         def join() -> None:
             for a in audio[:clips]:
@@ -112,12 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         engine.join_graphs = graphs
         graphed = timed(join, max(3, args.repeats // 4))[0] if graphs is not None else "-"
         table.append([f"{clips} clips join (features, encoder, cross K/V)", op_by_op, graphed])
+        fastest = op_by_op if graphed == "-" else min(op_by_op, graphed)
+        table.append([f"{clips} clips join: TFLOP/s", "-", clips * flops / fastest / 1e9])
+        if clips in args.profile_joins:
+            profiles.append(describe(profile_join(engine, join, clips), f"joins of {clips} clips "
+                                     f"({'CUDA graphs' if graphs is not None else 'op by op'})", "a join"))
     shares = loop_shares(engine, args.loop_steps)
     table += [[f"loop with {max(ROWS)} clips in flight: {name}", "-", value] for name, value in shares.items()]
     notes = [f"Engine: {args.version_dir} in {args.dtype}; decoder steps over all {max(ROWS)} slots' caches with "
              "random encoder states; joins of 28 s clips; the loop keeps every slot busy with the bench's clips "
              "(perf.whisper_bench.CLIPS) and splits each step's time (ms per step; `mean rows`: clips per step; "
-             "`tokens/s`: tokens fed per second)."]
+             "`tokens/s`: tokens fed per second).",
+             f"A clip's join is {flops / 1e12:.2f} TFLOP (convolutions, encoder layers with attention over all "
+             "frames, cross-attention keys and values); `TFLOP/s`: that over the faster join time.", *profiles]
     print(write_table(args.results / args.host, "whisper-steps", ["part", "op by op ms", "CUDA graphs ms"], table,
                       hardware_line("-"), notes), flush=True)
     return 0

@@ -9,6 +9,7 @@ import struct
 
 import numpy as np
 import pytest
+import torch
 
 from perf.analyzer import LoadPoint, parse_csv
 from perf.inputs import encoded_images, model_input_data
@@ -252,7 +253,10 @@ def test_engine_comparison_profiles_decode_steps_by_kind(tmp_path):
 
     assert category("sm90_xmma_gemm_bf16bf16") == category("nvjet_tst_128x64") == "library GEMM (cuBLAS, CUTLASS)"
     assert category("_gemv_kernel") == "GEMV (gemv.py)" and category("triton_poi_fused_mul_silu_0").startswith("comp")
-    assert category("void at::native::unrolled_elementwise") == "other"
+    assert category("void at::native::unrolled_elementwise") == "elementwise (aten)"
+    assert category("sm90_xmma_fprop_implicit_gemm_f16") == category("regular_fft") == "convolution, FFT (cuDNN, cuFFT)"
+    assert category("void at::native::vectorized_layer_norm_kernel") == "normalisation, softmax (aten)"
+    assert category("cudaLaunchKernel") == "other"
     assert category("_rope_write_kernel") == "rotary + cache write (rope_cache.py)"
     assert main(["--variants", "bf16:gather:library", "--device", "cpu", "--concurrency", "4", "--input-tokens", "8",
                  "--output-tokens", "4", "--batch1-tokens", "4", "--profile-rows", "1", "4", "--results",
@@ -353,3 +357,23 @@ def test_stub_profile_summary_splits_each_thread_by_where_it_was(tmp_path):
     assert rows[0] == "| batcher | 40 | tolist (torch/x.py:1) | step (backends/whisper/engine.py:194) | 75% |"
     assert rows[1] == "|  |  | _join (backends/whisper/engine.py:241) | _join (backends/whisper/engine.py:241) | 25% |"
     assert rows[2] == "| respond_0 | 5 | _worker (concurrent/futures/thread.py:81) | - | 100% |"
+
+
+def test_whisper_join_flops_equal_what_torch_counts_in_a_join(whisper_checkpoint):
+    """perf.whisper_steps' arithmetic of a clip's join (its TFLOP/s rows) against torch's FLOP counter over the
+    engine's own join (features, encoder, cross-attention keys and values) of two clips."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from backends.whisper.engine import WhisperEngine
+    from perf.whisper_steps import join_flops
+
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=2)
+    engine.model.set_attn_implementation("eager")  # attention as matmuls, which the counter sees on the CPU
+    waves = torch.zeros(2, engine.features.n_samples)
+    with torch.inference_mode():
+        with FlopCounterMode(display=False) as features:  # the mel filter bank, left out of join_flops (0.01%)
+            engine.features.from_waves(waves)
+        with FlopCounterMode(display=False) as join:
+            engine._encode_into(waves, torch.arange(2))
+    counted = join.get_total_flops() - features.get_total_flops()
+    assert counted == pytest.approx(2 * join_flops(engine.model.config), rel=0.01)

@@ -67,7 +67,8 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
 
     engine = WhisperEngine(folder, params["dtype"], device, int(params["max_batch"]), int(params["encoder_batch"]),
                            params["cuda_graphs"] == "true", join_min=int(params.get("join_min", "1")),
-                           join_wait_s=float(params.get("join_wait_ms", "50")) / 1000)
+                           join_wait_s=float(params.get("join_wait_ms", "50")) / 1000,
+                           fused_encoder=params.get("fused_encoder", "true") == "true")
     cycle = itertools.cycle([(decode_audio(audio), tokens) for audio, _, tokens in items])
 
     def add() -> None:
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                         "over HTTP (the sweep is over gRPC): whether the transport sets the served pace")
     parser.add_argument("--join-min-too", type=int, nargs="*", default=[], help="the highest concurrency again with "
                         "the model reloaded with each of these join_min (over HTTP with --http-too), and in process")
+    parser.add_argument("--unfused-too", action="store_true", help="the engine in process again with transformers' "
+                        "encoder (fused_encoder false) in place of the fused one")
     args = bench_arguments(parser, 4000, concurrency=(1, 16, 64)).parse_args(argv)
     items = clips()
     mean_seconds = float(np.mean([seconds for _, seconds, _ in items]))
@@ -183,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         if served:
             compared.append(f"join_min {join_min}: served / in-process (both with it) {served[0] / tried_rate:.2f}, "
                             f"served / the default's in-process {served[0] / rate:.2f}.")
+    if args.unfused_too:
+        plain_rate, plain_engine = in_process(folder, items, load, {**params, "fused_encoder": "false"}, device,
+                                              clips_per_round=4 * load)
+        rows.append([f"in-process engine, {load} clips in flight, transformers' encoder", plain_rate,
+                     plain_rate * mean_seconds, "-", "-", "-", "-", *plain_engine])
     best = max((p.throughput for how, p in points if "join_min" not in how), default=float("nan"))
     notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
              f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "
@@ -191,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
              f"Model: {params['dtype']} weights from {Path(engine_meta['checkpoint']).name}, device {device}; "
              f"batch_window {params['batch_window']}, {params['max_batch']} decoder slots, up to "
              f"{params['encoder_batch']} clips joining per step, CUDA graphs {params['cuda_graphs']}, join_min "
-             f"{params.get('join_min', '1')} (join_wait_ms {params.get('join_wait_ms', '50')}).",
+             f"{params.get('join_min', '1')} (join_wait_ms {params.get('join_wait_ms', '50')}), fused encoder "
+             f"{params.get('fused_encoder', 'false')}.",
              f"In-process: the same engine and parameters with {load} clips always in flight (features, encoder, "
              f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
              f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "

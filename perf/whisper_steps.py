@@ -1,7 +1,8 @@
 """Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows and
 clips joining (features + encoder + cross-attention keys/values) 1, 4 or 16 at a time, each op by op and from CUDA
-graphs (with the rate of the encoder's arithmetic, and under torch.profiler: kernel time by kind), and the engine's
-loop with every slot busy split into joins, decoder steps and the rest (host work between steps).
+graphs (with the rate of the encoder's arithmetic, and under torch.profiler: kernel time by kind), again with
+transformers' WhisperEncoder.forward in place of the engine's fused encoder, and the engine's loop with every slot
+busy split into joins, decoder steps and the rest (host work between steps).
 Milliseconds, the device synchronised after each part (so in the loop the encoders of joining clips do not overlap
 the decoder steps as they do in the engine's own loop: see `whole step, unsynchronised`).
 
@@ -102,6 +103,30 @@ def profile_join(engine: WhisperEngine, join, clips: int, repeats: int = 5) -> S
     return summarise(prof, True, clips, repeats, wall)
 
 
+def join_rows(engine: WhisperEngine, audio: list[np.ndarray], label: str, flops: float, repeats: int,
+              profile_sizes: list[int]) -> tuple[list[list], list[str]]:
+    """Rows timing joins of 1, 4 and 16 clips op by op and from CUDA graphs (ms, and TFLOP/s at the faster), and
+    the profiles of the joins of `profile_sizes` clips."""
+    graphs, rows, profiles = engine.join_graphs, [], []
+    for clips in (1, 4, 16):
+        def join() -> None:
+            for a in audio[:clips]:
+                engine.add(Clip(a, "en", "transcribe", 1))
+            engine._join()
+            engine.clear()
+        engine.join_graphs = None
+        op_by_op, _ = timed(join, max(3, repeats // 4))
+        engine.join_graphs = graphs
+        graphed = timed(join, max(3, repeats // 4))[0] if graphs is not None else "-"
+        fastest = op_by_op if graphed == "-" else min(op_by_op, graphed)
+        rows += [[f"{clips} clips join (features, encoder, cross K/V){label}", op_by_op, graphed],
+                 [f"{clips} clips join{label}: TFLOP/s", "-", clips * flops / fastest / 1e9]]
+        if clips in profile_sizes:
+            profiles.append(describe(profile_join(engine, join, clips), f"joins of {clips} clips{label} "
+                                     f"({'CUDA graphs' if graphs is not None else 'op by op'})", "a join"))
+    return rows, profiles
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version-dir", type=Path, required=True, help="the whisper engine's version folder")
@@ -128,23 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         table.append([f"decoder step, {rows} rows", op_by_op, graphed])
     del eager
     audio = [np.random.default_rng(i).normal(0, 0.1, 16000 * 28).astype(np.float32) for i in range(16)]
-    graphs, flops, profiles = engine.join_graphs, join_flops(engine.model.config), []
-    for clips in (1, 4, 16):
-        def join() -> None:
-            for a in audio[:clips]:
-                engine.add(Clip(a, "en", "transcribe", 1))
-            engine._join()
-            engine.clear()
-        engine.join_graphs = None
-        op_by_op, _ = timed(join, max(3, args.repeats // 4))
-        engine.join_graphs = graphs
-        graphed = timed(join, max(3, args.repeats // 4))[0] if graphs is not None else "-"
-        table.append([f"{clips} clips join (features, encoder, cross K/V)", op_by_op, graphed])
-        fastest = op_by_op if graphed == "-" else min(op_by_op, graphed)
-        table.append([f"{clips} clips join: TFLOP/s", "-", clips * flops / fastest / 1e9])
-        if clips in args.profile_joins:
-            profiles.append(describe(profile_join(engine, join, clips), f"joins of {clips} clips "
-                                     f"({'CUDA graphs' if graphs is not None else 'op by op'})", "a join"))
+    flops = join_flops(engine.model.config)
+    rows, profiles = join_rows(engine, audio, "", flops, args.repeats, args.profile_joins)
+    table += rows
+    # the same joins with transformers' WhisperEncoder.forward, side by side (16 slots: room for the largest join)
+    plain = WhisperEngine(args.version_dir, args.dtype, "cuda", slots=16, fused_encoder=False)
+    table += join_rows(plain, audio, ", transformers' encoder", flops, args.repeats, [])[0]
+    del plain
     shares = loop_shares(engine, args.loop_steps)
     table += [[f"loop with {max(ROWS)} clips in flight: {name}", "-", value] for name, value in shares.items()]
     notes = [f"Engine: {args.version_dir} in {args.dtype}; decoder steps over all {max(ROWS)} slots' caches with "
@@ -152,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
              "(perf.whisper_bench.CLIPS) and splits each step's time (ms per step; `mean rows`: clips per step; "
              "`tokens/s`: tokens fed per second).",
              f"A clip's join is {flops / 1e12:.2f} TFLOP (convolutions, encoder layers with attention over all "
-             "frames, cross-attention keys and values); `TFLOP/s`: that over the faster join time.", *profiles]
+             "frames, cross-attention keys and values); `TFLOP/s`: that over the faster join time. Joins use the "
+             "engine's fused encoder (backends/whisper/encoder.py) unless the row says transformers' encoder.",
+             *profiles]
     print(write_table(args.results / args.host, "whisper-steps", ["part", "op by op ms", "CUDA graphs ms"], table,
                       hardware_line("-"), notes), flush=True)
     return 0

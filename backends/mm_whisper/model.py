@@ -76,7 +76,7 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
         self.engine = None if self.decodes_only else WhisperEngine(
             self.folder, self.params.dtype, self.device, self.params.max_batch, self.params.encoder_batch,
             self.params.cuda_graphs, self.params.qos_lower_share, self.params.join_min,
-            self.params.join_wait_ms / 1000)
+            self.params.join_wait_ms / 1000, self.params.fused_encoder)
 
     def batch_limit(self) -> int:
         return super().batch_limit() if self.decodes_only else self.params.max_batch

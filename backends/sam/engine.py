@@ -47,6 +47,9 @@ class SamParams(BatchingParams):
     max_prompts: int = bounded(16, 1)  # requests in one decoder call (our batcher's batch: `batch_window`)
     graph_tokens: int = bounded(6, 0, 66)  # CUDA graphs for prompts of 1 to this many tokens (points, +2 for a box or
     # +1 padding point without one); longer prompts run op by op; 0: no graphs
+    # threads that copy out and send the answers (a click's bool masks: about 2.3 MB): on an H100 at concurrency 16,
+    # 630 clicks/s with 4 against 497 with 2 and 596 with 8 (perf/results/h100/2026-12-07d-sam-throughput.md)
+    response_threads: int = bounded(4, 0)
 
 
 def image_key(data: bytes) -> str:

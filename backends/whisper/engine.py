@@ -30,6 +30,7 @@ from backends.core.params import bounded, choice, device
 from backends.core.qos import LowerShare, Ticket
 from backends.media.audio import AudioLimits
 from backends.whisper.decoder import SlotDecoder
+from backends.whisper.encoder import FusedEncoder
 from backends.whisper.features import LogMel
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class WhisperParams(BatchingParams):
     join_min: int = bounded(1, 1)
     join_wait_ms: float = bounded(50.0, 0)
     cuda_graphs: bool = True  # decoder steps and joins replayed from CUDA graphs (GPU only)
+    fused_encoder: bool = True  # the encoder with fewer passes over memory (backends/whisper/encoder.py); false:
+    # transformers' WhisperEncoder.forward
     qos_lower_share: float = bounded(0.25, 0, 1, low_open=True)  # while a clip of a higher QoS class decodes, clips
     # of lower classes (not overdue) start in at most this share of the time: their encoder pass holds its steps up
     # (on the CPU; on a GPU it runs on a stream of its own, so the share measures only its launch; 1: no limit)
@@ -94,7 +97,7 @@ class Clip:
 class WhisperEngine:
     def __init__(self, checkpoint: Path, dtype: str = "fp32", device: str = "auto", slots: int = 64,
                  encoder_batch: int = 16, cuda_graphs: bool = True, lower_share: float = 1.0, join_min: int = 1,
-                 join_wait_s: float = 0.05):
+                 join_wait_s: float = 0.05, fused_encoder: bool = True):
         from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
         self.device, self.dtype = resolve_device(device), DTYPES[dtype]
@@ -112,6 +115,9 @@ class WhisperEngine:
         self.encoder_batch = encoder_batch
         self.join_min, self.join_wait_s = min(join_min, encoder_batch), join_wait_s
         self.decoder = SlotDecoder(self.model, slots, cuda_graphs)
+        encoder = self.model.model.encoder
+        self.encoder = FusedEncoder(encoder, compiled=self.device.type == "cuda") if fused_encoder else \
+            (lambda features: encoder(features).last_hidden_state)
         # a join (features, encoder, cross-attention keys and values into the slots) replayed from a graph of 1, 2,
         # 4, ... clips, one launch instead of hundreds from Python, during which the engine's loop launches no
         # decoder step. It pays for small joins only: on an H100 one clip took 10.3 ms against 15.5 op by op, 16
@@ -304,7 +310,7 @@ class WhisperEngine:
         """Clips' 30 s of samples [n, n_samples] -> their features, encoder output and its cross-attention keys and
         values in the decoder's `slots` [n] (all on the device); returns `slots` (a graph needs an output)."""
         features = self.features.from_waves(waves).to(self.dtype)
-        self.decoder.join(slots, self.model.model.encoder(features).last_hidden_state)
+        self.decoder.join(slots, self.encoder(features))
         return slots
 
     def _joined(self) -> None:

@@ -223,6 +223,29 @@ def test_cuda_graph_steps_keep_transformers_tokens(whisper_checkpoint):
         assert clip.tokens == reference_tokens(model, graphed, clip.audio, clip.language, clip.task, clip.budget)
 
 
+@pytest.mark.parametrize("device, dtype", [
+    ("cpu", torch.float32), ("cpu", torch.float16),
+    pytest.param("cuda", torch.float16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_fused_encoder_states_equal_transformers_encoder(checkpoints, device, dtype):
+    """FusedEncoder (one q/k/v projection, attention on views, compiled add + clamp + LayerNorm on a GPU) against
+    WhisperEncoder.forward on the same weights, up to rounding; the engine uses it by default."""
+    from transformers import WhisperForConditionalGeneration
+
+    from backends.whisper.encoder import FusedEncoder
+
+    for mels, checkpoint in checkpoints.items():
+        model = WhisperForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+        encoder = model.model.encoder
+        features = torch.randn(3, mels, 2 * encoder.config.max_source_positions, generator=torch.Generator()
+                               .manual_seed(mels)).to(device, dtype)
+        with torch.inference_mode():
+            expected = encoder(features).last_hidden_state
+            fused = FusedEncoder(encoder, compiled=device == "cuda")(features)
+        error = (fused.float() - expected.float()).abs().max() / expected.float().abs().max()
+        assert error < (1e-5 if dtype == torch.float32 else 1e-2), (mels, error)
+    assert isinstance(WhisperEngine(checkpoint, "fp32", "cpu").encoder, FusedEncoder)
+
+
 def test_unknown_language_and_task_are_refused(whisper_checkpoint):
     engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu")
     clip = np.zeros(1600, dtype=np.float32)

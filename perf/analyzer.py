@@ -70,12 +70,13 @@ def run_perf_analyzer(model: str, url: str, input_data: Path, csv_path: Path, *,
 
 
 def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[float], interval_ms: int,
-          watch: bool = False, protocol: str = "grpc") -> tuple[list[LoadPoint], str | None, list[str]]:
+          watch: bool = False, protocol: str = "grpc", extra: list[str] | None = None
+          ) -> tuple[list[LoadPoint], str | None, list[str]]:
     """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
     mean GPU utilisation during it. Returns the points, where the utilisation came from (None: no GPU) and notes on
     levels left out because perf_analyzer found no stable measurement there. `watch`: each point also gets the
     model's metrics read over its run (what the engine did: steps and tokens counted, clips in its gauges).
-    `protocol`: perf_analyzer's, grpc or http."""
+    `protocol`: perf_analyzer's, grpc or http; `extra`: more perf_analyzer arguments (e.g. --async)."""
     points, source, notes = [], None, []
     url = server.grpc_url if protocol == "grpc" else server.http_url
     for level in levels:
@@ -85,7 +86,7 @@ def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[flo
             with GpuUtilization(server.metrics_url) as gpu, \
                     MetricsWatch(server.metrics_url, model) if watch else nullcontext() as watched:
                 (point,) = run_perf_analyzer(model, url, data, tmp / f"{model}-{kind}-{value}.csv",
-                                             protocol=protocol, interval_ms=interval_ms, **args)
+                                             protocol=protocol, interval_ms=interval_ms, extra=extra, **args)
             point = dataclasses.replace(point, watched=watched)
         except UnstableMeasurement:
             notes.append(f"{kind} {value}: perf_analyzer found no stable measurement (6 trials); left out.")

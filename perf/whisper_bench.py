@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                         "over HTTP (the sweep is over gRPC): whether the transport sets the served pace")
     parser.add_argument("--join-min-too", type=int, nargs="*", default=[], help="the highest concurrency again with "
                         "the model reloaded with each of these join_min (over HTTP with --http-too), and in process")
+    parser.add_argument("--async-too", action="store_true", help="the highest concurrency again with perf_analyzer "
+                        "in its async mode (a few threads keep the requests in flight, not one blocking thread each): "
+                        "whether the client's threads set the served pace")
     parser.add_argument("--unfused-too", action="store_true", help="the engine in process again with transformers' "
                         "encoder (fused_encoder false) in place of the fused one")
     args = bench_arguments(parser, 4000, concurrency=(1, 16, 64)).parse_args(argv)
@@ -158,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             http_points, _, http_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
                                                watch=True, protocol="http")
             points, notes = points + [("Triton over HTTP", p) for p in http_points], notes + http_notes
+        if args.async_too:
+            async_points, _, async_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
+                                                 watch=True, extra=["--async"])
+            points, notes = points + [("Triton, perf_analyzer --async", p) for p in async_points], notes + async_notes
         protocol = "http" if args.http_too else "grpc"
         for join_min in args.join_min_too:
             client = grpcclient.InferenceServerClient(server.grpc_url)

@@ -12,7 +12,8 @@
 #   as decode rows, on the GPU);
 #   "whisper": clips/s and RTFx vs concurrency of the served whisper, large-v3 shapes, random fp16, and where
 #   the engine's steps spend their time (perf.whisper_steps; WHISPER_ARGS: more perf.whisper_bench arguments, e.g.
-#   "--py-spy /abs/path/py-spy": the stub's threads recorded at the highest concurrency; SAM_ARGS takes it too);
+#   "--py-spy /abs/path/py-spy": the stub's threads recorded at the highest concurrency; SAM_ARGS takes it too;
+#   WHISPER_PARTS ("tests bench steps"): which of its GPU tests, perf.whisper_bench and perf.whisper_steps run);
 #   "whisper_window": the batching window study (perf.batch_window) on the served whisper, large-v3 shapes;
 #   "sam": the decoder's CUDA graph test, then encoder and decoder requests/s vs concurrency of the served sam,
 #   ViT-H shapes, random bf16 (SAM_ARGS: more perf.sam_bench arguments, e.g. "--concurrency 16 --response-threads 4");
@@ -180,11 +181,13 @@ if [[ " ${SCENARIOS:-images} " == *" whisper "* ]]; then
   else  # Whisper large-v3 shapes (32 + 32 layers x 1280, 128 mel bins), random fp16 weights
     "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda
   fi
-  "$py" -m pytest -q -p no:cacheprovider tests/unit/test_whisper.py tests/unit/test_cuda_graphs.py
-  "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" --interval-ms "${INTERVAL_MS:-3000}" \
-    ${WHISPER_ARGS:-}
-  [ "${TINY:-0}" = 1 ] || "$py" -m perf.whisper_steps --version-dir model_repository/whisper/1 --results "$results" \
-    --host "${HOST:-gpu}"
+  parts=" ${WHISPER_PARTS:-tests bench steps} "
+  [[ "$parts" != *" tests "* ]] || "$py" -m pytest -q -p no:cacheprovider tests/unit/test_whisper.py \
+    tests/unit/test_cuda_graphs.py
+  [[ "$parts" != *" bench "* ]] || "$py" -m perf.whisper_bench --results "$results" --host "${HOST:-gpu}" \
+    --interval-ms "${INTERVAL_MS:-3000}" ${WHISPER_ARGS:-}
+  [[ "$parts" != *" steps "* || "${TINY:-0}" = 1 ]] || "$py" -m perf.whisper_steps \
+    --version-dir model_repository/whisper/1 --results "$results" --host "${HOST:-gpu}"
 fi
 if [[ " ${SCENARIOS:-images} " == *" whisper_window "* ]]; then
   "${build[@]}" whisper --random-init whisper-large-v3 --precision fp16 --device cuda

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
              f"batch_window {params['batch_window']}, {params['max_batch']} decoder slots, up to "
              f"{params['encoder_batch']} clips joining per step, CUDA graphs {params['cuda_graphs']}, join_min "
              f"{params.get('join_min', '1')} (join_wait_ms {params.get('join_wait_ms', '50')}), fused encoder "
-             f"{params.get('fused_encoder', 'false')}.",
+             f"{params.get('fused_encoder', 'true')}.",
              f"In-process: the same engine and parameters with {load} clips always in flight (features, encoder, "
              f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
              f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "

@@ -157,47 +157,46 @@ def main(argv: list[str] | None = None) -> int:
             top_points, _, top_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
                                              watch=True)
         points, notes = [("Triton", p) for p in points + top_points], notes + top_notes
+
+        def top_again(label: str, **how) -> None:
+            """The highest concurrency again, as a row `label` (`how`: sweep's protocol or extra arguments)."""
+            tried, _, tried_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
+                                          watch=True, **how)
+            points.extend((label, p) for p in tried)
+            notes.extend(tried_notes)
         if args.http_too:
-            http_points, _, http_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
-                                               watch=True, protocol="http")
-            points, notes = points + [("Triton over HTTP", p) for p in http_points], notes + http_notes
+            top_again("Triton over HTTP", protocol="http")
         if args.async_too:
-            async_points, _, async_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
-                                                 watch=True, extra=["--async"])
-            points, notes = points + [("Triton, perf_analyzer --async", p) for p in async_points], notes + async_notes
+            top_again("Triton, perf_analyzer --async", extra=["--async"])
         protocol = "http" if args.http_too else "grpc"
         for join_min in args.join_min_too:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             reload_with(client, "whisper", config, device, join_min=str(join_min))
             client.close()
-            tried, _, tried_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
-                                          watch=True, protocol=protocol)
-            points, notes = points + [(f"Triton ({protocol}), join_min {join_min}", p) for p in tried], \
-                notes + tried_notes
+            top_again(f"Triton ({protocol}), join_min {join_min}", protocol=protocol)
     rows = [[f"{how}, concurrency {p.load:g}", p.throughput, p.throughput * mean_seconds, 1e3 * p.load / p.throughput,
              p.p50_us / 1e3, p.p99_us / 1e3, "-" if p.gpu_util is None else f"{100 * p.gpu_util:.0f}%",
              *engine_columns(p)] for how, p in points]
     hardware = hardware_line(version)
     load = max(args.concurrency)
     params = {key: value["string_value"] for key, value in config["parameters"].items()}
-    rate, engine = in_process(folder, items, load, params, device, clips_per_round=4 * load)
-    rows.append([f"in-process engine, {load} clips in flight", rate, rate * mean_seconds, "-", "-", "-", "-",
-                 *engine])
+
+    def engine_alone(label: str, **overrides: str) -> float:
+        """The engine in process with these parameters over the served ones, as a row; its clips/s."""
+        clips_s, columns = in_process(folder, items, load, {**params, **overrides}, device, clips_per_round=4 * load)
+        rows.append([f"in-process engine, {load} clips in flight{label}", clips_s, clips_s * mean_seconds,
+                     "-", "-", "-", "-", *columns])
+        return clips_s
+    rate = engine_alone("")
     compared = []
     for join_min in args.join_min_too:
-        tried_rate, tried_engine = in_process(folder, items, load, {**params, "join_min": str(join_min)}, device,
-                                              clips_per_round=4 * load)
-        rows.append([f"in-process engine, {load} clips in flight, join_min {join_min}", tried_rate,
-                     tried_rate * mean_seconds, "-", "-", "-", "-", *tried_engine])
+        tried_rate = engine_alone(f", join_min {join_min}", join_min=str(join_min))
         served = [p.throughput for how, p in points if how.endswith(f"join_min {join_min}")]
         if served:
             compared.append(f"join_min {join_min}: served / in-process (both with it) {served[0] / tried_rate:.2f}, "
                             f"served / the default's in-process {served[0] / rate:.2f}.")
     if args.unfused_too:
-        plain_rate, plain_engine = in_process(folder, items, load, {**params, "fused_encoder": "false"}, device,
-                                              clips_per_round=4 * load)
-        rows.append([f"in-process engine, {load} clips in flight, transformers' encoder", plain_rate,
-                     plain_rate * mean_seconds, "-", "-", "-", "-", *plain_engine])
+        engine_alone(", transformers' encoder", fused_encoder="false")
     best = max((p.throughput for how, p in points if "join_min" not in how), default=float("nan"))
     notes = [f"Clips: {', '.join(f'{s:g} s' for _, s, _ in items)} of speech-like noise (16-bit WAV, 16 kHz), "
              f"cycled; each asks for a fixed number of tokens ({', '.join(str(n) for *_, n in items)}: about 3 per "

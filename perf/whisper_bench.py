@@ -19,6 +19,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from backends.media.audio import decode_audio
+from backends.whisper.engine import PHASES
 from backends.server import TritonServer, free_port
 from perf.analyzer import LoadPoint, sweep
 from perf.gpu import served_device
@@ -92,17 +93,20 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
     occupancy.clear()  # counted over the timed clips only
     start, steps, fed = time.perf_counter(), engine.steps, engine.fed
     step_s, join_s, joins, encoded = engine.step_seconds, engine.join_seconds, engine.joins, engine.encoded
+    left, phases = engine.left, dict(engine.phase_seconds)
     run(clips_per_round)
     seconds, steps = time.perf_counter() - start, engine.steps - steps
+    per_clip = [1e3 * (engine.phase_seconds[phase] - phases[phase]) / max(engine.left - left, 1) for phase in PHASES]
     return clips_per_round / seconds, [(engine.fed - fed) / steps, steps / seconds,
                                        1e3 * (engine.step_seconds - step_s) / steps,
                                        1e3 * (engine.join_seconds - join_s) / steps, "-",
                                        (engine.encoded - encoded) / max(engine.joins - joins, 1),
-                                       *np.mean(occupancy, axis=0), "-", "-", "-", "-"]
+                                       *np.mean(occupancy, axis=0), *per_clip, "-", "-", "-", "-", "-"]
 
 
 ENGINE_COLUMNS = ["decode batch", "decoder steps/s", "step ms", "join ms", "metrics ms", "clips a join",
-                  "clips in slots", "joining", "waiting", "queued", "queue wait ms", "in model ms", "Triton queue ms"]
+                  "clips in slots", "joining", "waiting", "clip waiting ms", "clip joining ms", "clip decoding ms",
+                  "queued", "queue wait ms", "in model ms", "answer ms", "Triton queue ms"]
 
 
 def engine_columns(point: LoadPoint) -> list[float]:
@@ -110,7 +114,9 @@ def engine_columns(point: LoadPoint) -> list[float]:
     decoder steps (launch and wait), starting joins and updating metrics, the mean clips in its
     slots, joining (in a slot, encoder not finished) and waiting for a slot (its gauges), the mean requests queued
     ahead of it, their mean wait from arrival to start (QoS metrics; preparation included) and their mean time from
-    arrival to answer, and their wait in Triton's queue before that (perf_analyzer's server-side figure)."""
+    arrival to answer, and their wait in Triton's queue before that (perf_analyzer's server-side figure).
+    Per clip that left its slot: its ms queued in the engine, joining and decoding; per response, the ms from the
+    request's end in the engine to its response sent."""
     growth, mean = point.watched.growth, point.watched.mean
     steps = growth.get("whisper_decode_steps_total", 0.0)
     per_step = [1e3 * growth.get(name, 0.0) / max(steps, 1.0) for name in (
@@ -118,9 +124,12 @@ def engine_columns(point: LoadPoint) -> list[float]:
     return [growth.get("whisper_decode_tokens_total", 0.0) / max(steps, 1.0), steps / point.watched.seconds, *per_step,
             growth.get("whisper_encoded_clips_total", 0.0) / max(growth.get("whisper_joins_total", 0.0), 1.0),
             *(mean.get(f"whisper_clips_{name}", 0.0) for name in ("running", "joining", "waiting")),
+            *(1e3 * growth.get(f"whisper_clip_{phase}_seconds_total", 0.0)
+              / max(growth.get("whisper_clips_left_total", 0.0), 1.0) for phase in PHASES),
             mean.get("qos_queue_depth", 0.0),
             *(1e3 * growth.get(f"qos_{name}_seconds_sum", 0.0) / max(growth.get(f"qos_{name}_seconds_count", 0.0), 1.0)
               for name in ("wait", "request")),
+            1e3 * growth.get("batcher_answer_seconds_total", 0.0) / max(growth.get("batcher_answers_total", 0.0), 1.0),
             point.server_queue_us / 1e3]
 
 
@@ -218,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
              "(whisper_decode_seconds, whisper_join_seconds, batcher_metrics_seconds), clips an encoder pass took "
              "(whisper_encoded_clips / whisper_joins), the means of its gauges read "
              "every 0.25 s: clips in the decoder's slots (joining ones too), joining (encoder not finished) and "
-             "waiting for a slot, requests queued ahead of the engine (qos_queue_depth), their mean wait from "
-             "arrival to start (qos_wait_seconds: preparation included) and from arrival to answer "
-             "(qos_request_seconds: in model), and perf_analyzer's server queue time (Triton's queue, before the "
-             "model's); latency mean is at the client, concurrency / clips/s (Little's law, in perf_analyzer's "
+             "waiting for a slot; per clip that left its slot, its mean ms queued in the engine for one, in it while "
+             "its join ran, and decoding (whisper_clip_*_seconds / whisper_clips_left); requests queued ahead of the "
+             "engine (qos_queue_depth), their mean wait from arrival to start (qos_wait_seconds: preparation "
+             "included) and from arrival to answer (qos_request_seconds: in model), the mean ms from that answer to "
+             "its response sent (batcher_answer_seconds / batcher_answers) and perf_analyzer's server queue time "
+             "(Triton's queue, before the model's); latency mean is at the client, concurrency / clips/s (Little's law, in perf_analyzer's "
              "closed loop): clips/s x (it - in model) requests were outside the model at any time. In process: "
              "the same over the timed clips, counted before each step.",
              *(f"{how}, concurrency {p.load:g}: Triton's compute input / infer / output (perf_analyzer's server-side "

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -46,7 +47,10 @@ BATCHER_GAUGES = {"batcher_window_seconds": "how long a batch that is not full w
 BATCHER_COUNTERS = {"batcher_batches_total": "batches run by the model's own batcher",
                     "batcher_requests_total": "requests in those batches (÷ batches = mean batch size)",
                     "batcher_metrics_seconds_total": "time the batcher's thread spent updating metrics (a round trip "
-                                                     "to the server each)"}
+                                                     "to the server each)",
+                    "batcher_answers_total": "responses sent by the batcher's requests",
+                    "batcher_answer_seconds_total": "time from a request's end in the engine to its response sent "
+                                                    "(waiting for a responder, made, the send's round trip)"}
 
 
 class TritonLogHandler(logging.Handler):
@@ -172,6 +176,7 @@ class BatchedBackend(TritonBackend[P]):
             # answers waiting for a responder, at most two batches' worth: past that the batcher waits, so outputs
             # (SAM's: megabytes each) cannot pile up when sending is slower than the engine
             self.unsent = threading.Semaphore(2 * max_batch)
+            self.answers, self.answer_seconds, self.answered = 0, 0.0, threading.Lock()
             common = dict(name=f"{self.name}-batcher", setup=self.load, after=self._update_metrics,
                           heartbeat=self.heartbeat)
             stepper = self.stepper()
@@ -268,12 +273,13 @@ class BatchedBackend(TritonBackend[P]):
     def _answer(self, sender, output: Any) -> None:
         """A job's answer: its response made and sent on a responder thread (on the caller's without any)."""
         if self.responder is None:
-            self._send(sender, output)
+            self._send(sender, output, time.monotonic())
             return
         self.unsent.acquire()
-        self.responder.submit(self._send, sender, output).add_done_callback(lambda _: self.unsent.release())
+        self.responder.submit(self._send, sender, output, time.monotonic()).add_done_callback(
+            lambda _: self.unsent.release())
 
-    def _send(self, sender, output: Any) -> None:
+    def _send(self, sender, output: Any, ended: float) -> None:
         try:
             response = self._response(output)
         except Exception as e:  # making the response failed: the request still gets an answer
@@ -282,6 +288,8 @@ class BatchedBackend(TritonBackend[P]):
             sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception:  # a client gone meanwhile: logged, nothing more
             log.exception("%s: sending a response failed", self.name)
+        with self.answered:
+            self.answers, self.answer_seconds = self.answers + 1, self.answer_seconds + time.monotonic() - ended
 
     def _prepare_job(self, job: Job, items: list[Any], fault: str | None) -> None:
         """On the pool: the request's items, its cost score, then its place in the batcher."""
@@ -315,7 +323,9 @@ class BatchedBackend(TritonBackend[P]):
         self.batch_metrics.update({"batcher_window_seconds": self.batcher.window.current_s},
                                   {"batcher_batches_total": self.batcher.batches,
                                    "batcher_requests_total": self.batcher.requests,
-                                   "batcher_metrics_seconds_total": self.batcher.after_seconds})
+                                   "batcher_metrics_seconds_total": self.batcher.after_seconds,
+                                   "batcher_answers_total": self.answers,
+                                   "batcher_answer_seconds_total": self.answer_seconds})
         self.after_batch()
 
     # --- both -------------------------------------------------------------------------------------------------

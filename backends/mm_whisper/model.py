@@ -28,7 +28,7 @@ from backends.core.metrics import CustomMetrics
 from backends.core.qos import Ticket
 from backends.media.audio import SAMPLE_RATE, decode_audio
 from backends.whisper.chunking import merge, split
-from backends.whisper.engine import TASKS, Clip, WhisperEngine, WhisperParams
+from backends.whisper.engine import PHASES, TASKS, Clip, WhisperEngine, WhisperParams
 
 
 AUDIO = "_audio"  # the tensor between an ensemble's steps: 16 kHz mono float32 samples
@@ -43,7 +43,11 @@ COUNTERS = {"whisper_decode_steps_total": "decoder steps",
                                    "its share in a batch)",
             "whisper_preemptions_total": "clips that gave up their slot to a higher QoS class (and start again)",
             "whisper_decode_seconds_total": "time in decoder steps: their launch and the wait for their choices",
-            "whisper_join_seconds_total": "time the engine's loop spent starting joins (on a GPU their launch)"}
+            "whisper_join_seconds_total": "time the engine's loop spent starting joins (on a GPU their launch)",
+            "whisper_clips_left_total": "clips that left their slot (done or failed)",
+            **{f"whisper_clip_{phase}_seconds_total": f"those clips' time {what}, summed" for phase, what in zip(
+                PHASES, ("queued in the engine for a slot", "in a slot while their join ran",
+                         "decoding, from their join's end to their own"))}}
 
 
 @dataclass
@@ -137,7 +141,10 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
                                  "whisper_encoded_clips_total": engine.encoded, "whisper_joins_total": engine.joins,
                                  "whisper_preemptions_total": engine.preemptions,
                                  "whisper_decode_seconds_total": engine.step_seconds,
-                                 "whisper_join_seconds_total": engine.join_seconds})
+                                 "whisper_join_seconds_total": engine.join_seconds,
+                                 "whisper_clips_left_total": engine.left,
+                                 **{f"whisper_clip_{phase}_seconds_total": seconds
+                                    for phase, seconds in engine.phase_seconds.items()}})
 
     def finalize(self) -> None:
         super().finalize()

@@ -36,6 +36,7 @@ from backends.whisper.features import LogMel
 log = logging.getLogger(__name__)
 TASKS = ("transcribe", "translate")
 PROMPT = 4  # <|startoftranscript|> <|lang|> <|task|> <|notimestamps|>
+PHASES = ("waiting", "joining", "decoding")  # for a slot; in one, its join in flight; joined, to its end
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class Clip:
     budget: int | None  # most tokens to generate; None: as many as the decoder's positions allow
     owner: Any = None  # the caller's (e.g. its request)
     added: float = 0.0  # when it was queued (time.monotonic)
+    slotted: float = 0.0  # when it took a slot and its join started
+    decoding: float = 0.0  # when its join finished and it began to decode
     language_id: int | None = None
     slot: int = -1
     position: int = 0  # of the token fed next
@@ -135,6 +138,10 @@ class WhisperEngine:
         self.steps = self.fed = self.joins = self.encoded = self.preemptions = 0
         # seconds in decoder steps (launch and the wait for their choices) and in joins (launch only on a GPU)
         self.step_seconds = self.join_seconds = 0.0
+        # clips that left their slot, and their seconds in the engine by phase (PHASES), summed: what a clip's time
+        # from `add` to its end was spent on
+        self.left = 0
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
 
     def check_language(self, language: str | None) -> None:
         if language is not None and language not in self.languages:
@@ -287,6 +294,7 @@ class WhisperEngine:
                 clip.error = e
             return clips
         for slot, clip in zip(free, clips):
+            clip.slotted = clip.decoding = now
             language = self.languages[clip.language] if clip.language else None
             clip.slot, clip.position, clip.language_id, clip.tokens = slot, 0, language, []
             clip.feed = [self.sot, *self._rest_of_prompt(clip)] if language is not None else [self.sot]
@@ -317,11 +325,12 @@ class WhisperEngine:
         """Clips whose encoder finished join the decoder's batch (when none is decoding, it waits for the first)."""
         if self.joining and not any(clip is not None and clip.joined for clip in self.running):
             self.joining[0][0].synchronize()
+        now = time.monotonic()
         for event, clips in self.joining:
             if event.query():
                 torch.cuda.current_stream(self.device).wait_event(event)
                 for clip in clips:
-                    clip.joined = True
+                    clip.joined, clip.decoding = True, now
         self.joining = [(event, clips) for event, clips in self.joining if not clips[0].joined]
 
     def _rest_of_prompt(self, clip: Clip) -> list[int]:
@@ -345,6 +354,10 @@ class WhisperEngine:
     def _leave(self, clip: Clip, error: Exception | None = None) -> Clip:
         self.running[clip.slot] = None
         clip.error = error
+        self.left += 1
+        for phase, seconds in zip(PHASES, (clip.slotted - clip.added, clip.decoding - clip.slotted,
+                                           time.monotonic() - clip.decoding)):
+            self.phase_seconds[phase] += seconds
         return clip
 
     def result(self, clip: Clip) -> Transcription:

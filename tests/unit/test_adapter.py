@@ -217,4 +217,6 @@ def test_our_batcher_waits_while_two_batches_of_answers_are_unsent(pb):
     gate.set()
     assert all(sender.done.wait(10) for sender in senders)
     assert [sender.sent[0][0].tensors for sender in senders] == [[("y", 2 * value)] for value in range(6)]
-    model.finalize()
+    model.finalize()  # (waits for the responders)
+    # batcher_answers_total / batcher_answer_seconds_total: the first answer waited out the stuck send (0.3 s and more)
+    assert model.answers == 6 and model.answer_seconds >= 0.3

@@ -82,10 +82,17 @@ def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whis
 
     engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=3, encoder_batch=2)
     model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    start = time.monotonic()
     clips, sharing = run_plan(engine, PLAN)
+    elapsed = time.monotonic() - start
     for clip in clips:
         expected = reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
         assert engine.result(clip).tokens == expected
+    # whisper_clip_*_seconds_total: seven clips for three slots, so some waited for one; each clip's phases fit in
+    # the run
+    phases = engine.phase_seconds
+    assert engine.left == len(clips) and phases["waiting"] > 0 and phases["decoding"] > phases["joining"] >= 0
+    assert sum(phases.values()) <= len(clips) * elapsed
     assert sharing["positions"] >= 3  # clips at three different positions shared a step
     assert sharing["clips_per_slot"] >= 2  # a slot freed by one clip served another
     assert not engine.has_work and engine.free_slots == 3

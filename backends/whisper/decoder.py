@@ -5,10 +5,11 @@ Every slot owns a row of preallocated caches: the cross-attention keys/values of
 once when the clip joins, and the self-attention keys/values of the tokens it fed so far. A step runs rows 0..n-1
 (n: one past the highest slot in use; free slots below it compute garbage in their own rows, which nobody reads and
 the next clip there overwrites from position 0). Self-attention covers all `max_positions` cache entries under a mask
-of the slot's own positions, so every step has the same shapes and can be replayed from a CUDA graph per power of
-two rows (backends.core.cuda_graphs). The step returns three greedy choices per row, so only 3 integers per row
-cross back to the host: the language token (detect_language's rule: the highest logit among language tokens, before
-suppression), the next token under suppress_tokens, and the same for the first generated token, when
+of the slot's own positions, so every step has the same shapes and can be replayed from a CUDA graph per number of
+rows: powers of two up to 8, then multiples of 8 (ROW_STEP; backends.core.cuda_graphs); a joining clip takes the
+lowest free slot, so the rows in use stay low. The step returns three greedy choices per row, so only 3 integers per
+row cross back to the host: the language token (detect_language's rule: the highest logit among language tokens,
+before suppression), the next token under suppress_tokens, and the same for the first generated token, when
 begin_suppress_tokens apply too.
 """
 from __future__ import annotations
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 
 from backends.core.cuda_graphs import try_graphs
 
+# graphs of 8, 16, 24, ... rows above 8: a step reads every row's cross-attention keys and values (245 MB a row at
+# large-v3's shapes, 64 rows 15.7 GB) and self-attention cache (73 MB), so with powers of two 33 rows in use would
+# read 64 rows' worth
+ROW_STEP = 8
 
 class SlotDecoder:
     def __init__(self, model, slots: int, graphs: bool):
@@ -39,7 +44,7 @@ class SlotDecoder:
         self.begin_suppress = torch.tensor(gen.begin_suppress_tokens or [], dtype=torch.long, device=device)
         self.language_ids = torch.tensor(sorted(gen.lang_to_id.values()), device=device)
         self.positions = torch.arange(self.max_positions, device=device)
-        self.graphs = try_graphs(self._step, [(), ()], [torch.long, torch.long], device, slots) \
+        self.graphs = try_graphs(self._step, [(), ()], [torch.long, torch.long], device, slots, step=ROW_STEP) \
             if graphs and device.type == "cuda" else None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:

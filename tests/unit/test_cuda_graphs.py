@@ -28,6 +28,9 @@ def test_batch_sizes_are_powers_of_two_up_to_the_largest():
     assert batch_sizes(1) == [1]
     assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
     assert batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_sizes(64, step=8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_sizes(20, step=8) == [1, 2, 4, 8, 16, 20]
+    assert batch_sizes(4, step=8) == [1, 2, 4]
 
 
 def export(tmp_path, device: str):

@@ -29,11 +29,10 @@ class LoadPoint:
     server_compute_infer_us: int
     server_compute_output_us: int
     # the client's side (perf_analyzer's averages): serialising a request, the wait on the network and the server
-    # beyond the server's own figures above, deserialising the response, and the mean latency
+    # beyond the server's own figures above, deserialising the response
     client_send_us: int = 0
     network_server_us: int = 0
     client_recv_us: int = 0
-    avg_us: int = 0
     gpu_util: float | None = None  # mean over the run (0..1), set by the caller when it measured one
     watched: MetricsWatch | None = None  # the model's metrics over the run (sweep's `watch`)
 
@@ -53,8 +52,7 @@ def parse_csv(path: Path) -> list[LoadPoint]:
                                 int(row["p90 latency"]), int(row["p99 latency"]), int(row["Server Queue"]),
                                 int(row["Server Compute Input"]), int(row["Server Compute Infer"]),
                                 int(row["Server Compute Output"]), int(row.get("Client Send") or 0),
-                                int(row.get("Network+Server Send/Recv") or 0), int(row.get("Client Recv") or 0),
-                                int(row.get("Avg latency") or 0)))
+                                int(row.get("Network+Server Send/Recv") or 0), int(row.get("Client Recv") or 0)))
     return sorted(points, key=lambda p: p.load)
 
 

@@ -239,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                f"figures; infer is `execute`, which only queues the request) {p.server_compute_input_us / 1e3:.2f} / "
                f"{p.server_compute_infer_us / 1e3:.2f} / {p.server_compute_output_us / 1e3:.2f} ms; the client's "
                f"send / wait on network and server beyond those / receive {p.client_send_us / 1e3:.2f} / "
-               f"{p.network_server_us / 1e3:.1f} / {p.client_recv_us / 1e3:.2f} ms (mean latency "
-               f"{p.avg_us / 1e3:.0f} ms)."
+               f"{p.network_server_us / 1e3:.1f} / {p.client_recv_us / 1e3:.2f} ms."
                for how, p in points if p.load == load),
              *compared, *notes]
     header = ["setup", "clips/s", "audio s/s (RTFx)", "latency mean ms", "latency p50 ms", "latency p99 ms",

@@ -29,7 +29,7 @@ def test_parse_csv_sorts_by_load_and_reads_breakdown(tmp_path):
     path.write_text(CSV)
     points = parse_csv(path)
     assert [p.load for p in points] == [1, 4]
-    assert points[0] == LoadPoint(1.0, 38.2099, 27353, 46339, 52490, 2116, 152, 22431, 211, 60, 543, 0, 26300)
+    assert points[0] == LoadPoint(1.0, 38.2099, 27353, 46339, 52490, 2116, 152, 22431, 211, 60, 543, 0)
 
 
 def test_parse_csv_reads_request_rate_sweeps(tmp_path):

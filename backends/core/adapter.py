@@ -48,7 +48,7 @@ BATCHER_COUNTERS = {"batcher_batches_total": "batches run by the model's own bat
                     "batcher_requests_total": "requests in those batches (÷ batches = mean batch size)",
                     "batcher_metrics_seconds_total": "time the batcher's thread spent updating metrics (a round trip "
                                                      "to the server each)",
-                    "batcher_answers_total": "responses sent by the batcher's requests",
+                    "batcher_answers_total": "responses sent for the requests of the model's own batcher",
                     "batcher_answer_seconds_total": "time from a request's end in the engine to its response sent "
                                                     "(waiting for a responder, made, the send's round trip)"}
 

@@ -24,6 +24,7 @@ from backends.core.cuda_graphs import try_graphs
 # read 64 rows' worth
 ROW_STEP = 8
 
+
 class SlotDecoder:
     def __init__(self, model, slots: int, graphs: bool):
         """`model`: a WhisperForConditionalGeneration (eval, on its device and dtype)."""

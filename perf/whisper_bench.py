@@ -19,8 +19,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from backends.media.audio import decode_audio
-from backends.whisper.engine import PHASES
 from backends.server import TritonServer, free_port
+from backends.whisper.engine import PHASES
 from perf.analyzer import LoadPoint, sweep
 from perf.gpu import served_device
 from perf.inputs import bytes_entry
@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
              "engine (qos_queue_depth), their mean wait from arrival to start (qos_wait_seconds: preparation "
              "included) and from arrival to answer (qos_request_seconds: in model), the mean ms from that answer to "
              "its response sent (batcher_answer_seconds / batcher_answers) and perf_analyzer's server queue time "
-             "(Triton's queue, before the model's); latency mean is at the client, concurrency / clips/s (Little's law, in perf_analyzer's "
-             "closed loop): clips/s x (it - in model) requests were outside the model at any time. In process: "
+             "(Triton's queue, before the model's); latency mean is at the client, concurrency / clips/s (Little's "
+             "law, in perf_analyzer's closed loop): clips/s x (it - in model) requests were outside the model at any "
+             "time. In process: "
              "the same over the timed clips, counted before each step.",
              *(f"{how}, concurrency {p.load:g}: Triton's compute input / infer / output (perf_analyzer's server-side "
                f"figures; infer is `execute`, which only queues the request) {p.server_compute_input_us / 1e3:.2f} / "

@@ -88,10 +88,11 @@ def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whis
     for clip in clips:
         expected = reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
         assert engine.result(clip).tokens == expected
-    # whisper_clip_*_seconds_total: seven clips for three slots, so some waited for one; each clip's phases fit in
-    # the run
+    # whisper_clip_*_seconds_total: seven clips for three slots, so some waited several steps for one (more than a
+    # step's mean time in all); each clip's phases fit in the run
     phases = engine.phase_seconds
-    assert engine.left == len(clips) and phases["waiting"] > 0 and phases["decoding"] > phases["joining"] >= 0
+    assert engine.left == len(clips) and phases["decoding"] > phases["joining"] >= 0
+    assert phases["waiting"] > engine.step_seconds / engine.steps
     assert sum(phases.values()) <= len(clips) * elapsed
     assert sharing["positions"] >= 3  # clips at three different positions shared a step
     assert sharing["clips_per_slot"] >= 2  # a slot freed by one clip served another

@@ -91,26 +91,28 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
     occupancy: list[tuple[int, int, int]] = []
     run(concurrency)
     occupancy.clear()  # counted over the timed clips only
-    start, steps, fed = time.perf_counter(), engine.steps, engine.fed
+    start, steps, fed, computed = time.perf_counter(), engine.steps, engine.fed, engine.computed
     step_s, join_s, joins, encoded = engine.step_seconds, engine.join_seconds, engine.joins, engine.encoded
     left, phases = engine.left, dict(engine.phase_seconds)
     run(clips_per_round)
     seconds, steps = time.perf_counter() - start, engine.steps - steps
     per_clip = [1e3 * (engine.phase_seconds[phase] - phases[phase]) / max(engine.left - left, 1) for phase in PHASES]
-    return clips_per_round / seconds, [(engine.fed - fed) / steps, steps / seconds,
+    return clips_per_round / seconds, [(engine.fed - fed) / steps, (engine.computed - computed) / steps,
+                                       steps / seconds,
                                        1e3 * (engine.step_seconds - step_s) / steps,
                                        1e3 * (engine.join_seconds - join_s) / steps, "-",
                                        (engine.encoded - encoded) / max(engine.joins - joins, 1),
                                        *np.mean(occupancy, axis=0), *per_clip, "-", "-", "-", "-", "-"]
 
 
-ENGINE_COLUMNS = ["decode batch", "decoder steps/s", "step ms", "join ms", "metrics ms", "clips a join",
+ENGINE_COLUMNS = ["decode batch", "rows a step", "decoder steps/s", "step ms", "join ms", "metrics ms", "clips a join",
                   "clips in slots", "joining", "waiting", "clip waiting ms", "clip joining ms", "clip decoding ms",
                   "queued", "queue wait ms", "in model ms", "answer ms", "Triton queue ms"]
 
 
 def engine_columns(point: LoadPoint) -> list[float]:
-    """The served engine over a perf_analyzer run: clips per decoder step, decoder steps/s, the loop's ms per step in
+    """The served engine over a perf_analyzer run: clips per decoder step, rows it computed (free slots below the
+    highest in use, up to its graph's size, computed too), decoder steps/s, the loop's ms per step in
     decoder steps (launch and wait), starting joins and updating metrics, the mean clips in its
     slots, joining (in a slot, encoder not finished) and waiting for a slot (its gauges), the mean requests queued
     ahead of it, their mean wait from arrival to start (QoS metrics; preparation included) and their mean time from
@@ -121,7 +123,8 @@ def engine_columns(point: LoadPoint) -> list[float]:
     steps = growth.get("whisper_decode_steps_total", 0.0)
     per_step = [1e3 * growth.get(name, 0.0) / max(steps, 1.0) for name in (
         "whisper_decode_seconds_total", "whisper_join_seconds_total", "batcher_metrics_seconds_total")]
-    return [growth.get("whisper_decode_tokens_total", 0.0) / max(steps, 1.0), steps / point.watched.seconds, *per_step,
+    return [*(growth.get(f"whisper_decode_{name}_total", 0.0) / max(steps, 1.0) for name in ("tokens", "rows")),
+            steps / point.watched.seconds, *per_step,
             growth.get("whisper_encoded_clips_total", 0.0) / max(growth.get("whisper_joins_total", 0.0), 1.0),
             *(mean.get(f"whisper_clips_{name}", 0.0) for name in ("running", "joining", "waiting")),
             *(1e3 * growth.get(f"whisper_clip_{phase}_seconds_total", 0.0)
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
              f"process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
              "Engine columns, served: over the perf_analyzer run while the model answered (from the last reading "
              "before its first answer to the first after its last: perf_analyzer's start-up left out), clips fed per "
-             "decoder step and steps/s from the model's whisper_decode_* counters, the engine loop's ms per step in "
+             "decoder step, the rows it computed (free slots below the highest in use, up to its CUDA graph's size, "
+             "too) and steps/s from the model's whisper_decode_* counters, the engine loop's ms per step in "
              "decoder steps (launch and the wait for their choices), starting joins and updating metrics "
              "(whisper_decode_seconds, whisper_join_seconds, batcher_metrics_seconds), clips an encoder pass took "
              "(whisper_encoded_clips / whisper_joins), the means of its gauges read "

@@ -38,6 +38,10 @@ GAUGES = {"whisper_clips_running": "clips (30 s chunks) in the decoder's slots, 
           "whisper_clips_waiting": "clips waiting for a decoder slot"}
 COUNTERS = {"whisper_decode_steps_total": "decoder steps",
             "whisper_decode_tokens_total": "tokens fed by decoder steps (÷ steps = mean decode batch)",
+            "whisper_decode_rows_total": "rows computed by decoder steps (a CUDA graph's size holding the highest "
+                                         "slot in use; the rows above the tokens fed are free slots below it)",
+            "whisper_slot_moves_total": "clips moved from a high slot into a free one below, so that steps compute "
+                                        "fewer rows",
             "whisper_encoded_clips_total": "clips through the encoder",
             "whisper_joins_total": "encoder passes (÷ into clips encoded = clips a join: one costs about twice "
                                    "its share in a batch)",
@@ -138,6 +142,7 @@ class TritonPythonModel(BatchedBackend[WhisperParams]):
             engine = self.engine
             self.metrics.update(dict(zip(GAUGES, engine.occupancy())),
                                 {"whisper_decode_steps_total": engine.steps, "whisper_decode_tokens_total": engine.fed,
+                                 "whisper_decode_rows_total": engine.computed, "whisper_slot_moves_total": engine.moves,
                                  "whisper_encoded_clips_total": engine.encoded, "whisper_joins_total": engine.joins,
                                  "whisper_preemptions_total": engine.preemptions,
                                  "whisper_decode_seconds_total": engine.step_seconds,

@@ -7,7 +7,8 @@ once when the clip joins, and the self-attention keys/values of the tokens it fe
 the next clip there overwrites from position 0). Self-attention covers all `max_positions` cache entries under a mask
 of the slot's own positions, so every step has the same shapes and can be replayed from a CUDA graph per number of
 rows: powers of two up to 8, then multiples of 8 (ROW_STEP; backends.core.cuda_graphs); a joining clip takes the
-lowest free slot, so the rows in use stay low. The step returns three greedy choices per row, so only 3 integers per
+lowest free slot, and the engine moves a clip from a high slot into a free one below (`move`) when that lets a step
+run a smaller graph, so the rows in use stay low. The step returns three greedy choices per row, so only 3 integers per
 row cross back to the host: the language token (detect_language's rule: the highest logit among language tokens,
 before suppression), the next token under suppress_tokens, and the same for the first generated token, when
 begin_suppress_tokens apply too.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.core.cuda_graphs import try_graphs
+from backends.core.cuda_graphs import batch_sizes, try_graphs
 
 # graphs of 8, 16, 24, ... rows above 8: a step reads every row's cross-attention keys and values (245 MB a row at
 # large-v3's shapes, 64 rows 15.7 GB) and self-attention cache (73 MB), so with powers of two 33 rows in use would
@@ -45,8 +46,14 @@ class SlotDecoder:
         self.begin_suppress = torch.tensor(gen.begin_suppress_tokens or [], dtype=torch.long, device=device)
         self.language_ids = torch.tensor(sorted(gen.lang_to_id.values()), device=device)
         self.positions = torch.arange(self.max_positions, device=device)
+        self.sizes = batch_sizes(slots, ROW_STEP)
         self.graphs = try_graphs(self._step, [(), ()], [torch.long, torch.long], device, slots, step=ROW_STEP) \
             if graphs and device.type == "cuda" else None
+
+    def rows(self, used: int) -> int:
+        """The rows a step computes when `used` rows are asked for: the smallest graph that holds them (on a GPU),
+        else `used`."""
+        return next(size for size in self.sizes if size >= used) if self.graphs else used
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d_model] -> [B, heads, T, head_dim]"""
@@ -59,6 +66,15 @@ class SlotDecoder:
         for layer, kv in zip(self.decoder.layers, self.cross_kv):
             kv[0].index_copy_(0, slots, self._heads(layer.encoder_attn.k_proj(encoded)))
             kv[1].index_copy_(0, slots, self._heads(layer.encoder_attn.v_proj(encoded)))
+
+    @torch.inference_mode()
+    def move(self, source: int, target: int, positions: int) -> None:
+        """A clip's caches from slot `source` into the free slot `target` (its first `positions` self-attention
+        entries: the rest are masked), on the current stream, so ordered before the next step."""
+        for kv in self.cross_kv:
+            kv[:, target].copy_(kv[:, source])
+        for kv in self.self_kv:
+            kv[:, target, :, :positions].copy_(kv[:, source, :, :positions])
 
     @torch.inference_mode()
     def step(self, tokens: list[int], positions: list[int]) -> list[list[int]]:

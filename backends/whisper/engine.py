@@ -134,8 +134,9 @@ class WhisperEngine:
         self.joining: list[tuple[torch.cuda.Event, list[Clip]]] = []  # encoders in flight on join_stream
         self.preempted: collections.deque[Clip] = collections.deque()  # rejoin from scratch after `waiting`
         self.lower = LowerShare(lower_share)  # lower-class clips joining while a higher class decodes (`admits`)
-        # decoder steps, tokens fed by them (clips x steps), joins, clips encoded, clips preempted
-        self.steps = self.fed = self.joins = self.encoded = self.preemptions = 0
+        # decoder steps, tokens fed by them (clips x steps), rows they computed (SlotDecoder.rows), joins, clips
+        # encoded, clips preempted, clips moved to a lower slot (`_compact`)
+        self.steps = self.fed = self.computed = self.joins = self.encoded = self.preemptions = self.moves = 0
         # seconds in decoder steps (launch and the wait for their choices) and in joins (launch only on a GPU)
         self.step_seconds = self.join_seconds = 0.0
         # clips that left their slot, and their seconds in the engine by phase (PHASES), summed: what a clip's time
@@ -218,11 +219,13 @@ class WhisperEngine:
         done = self._join()
         self.join_seconds += time.perf_counter() - start
         self._joined()
+        self._compact()
         used = [i for i, clip in enumerate(self.running) if clip is not None and clip.joined]
         if not used:
             return done
         rows = [clip if clip is not None and clip.joined else None for clip in self.running[:used[-1] + 1]]
         self.steps, self.fed = self.steps + 1, self.fed + len(used)
+        self.computed += self.decoder.rows(len(rows))
         start = time.perf_counter()
         try:
             choices = self.decoder.step([clip.feed[0] if clip else self.eot for clip in rows],
@@ -332,6 +335,24 @@ class WhisperEngine:
                 for clip in clips:
                     clip.joined, clip.decoding = True, now
         self.joining = [(event, clips) for event, clips in self.joining if not clips[0].joined]
+
+    def _compact(self) -> None:
+        """Decoding clips move from the highest slots into free ones below while that lets a step compute fewer rows
+        (SlotDecoder.rows): a step computes every row up to the highest slot in use, and each row reads its
+        cross-attention keys and values (245 MB at large-v3's shapes) whether or not a clip holds it. A clip that
+        leaves frees a slot anywhere: in process its successor takes it at the next step, a served one arrives a
+        round trip later. A move copies about twice a row's bytes once. A clip still joining stays where it is (its
+        encoder writes into its slot)."""
+        occupied = [i for i, clip in enumerate(self.running) if clip is not None]
+        while occupied and occupied[-1] + 1 > self.decoder.rows(len(occupied)):
+            clip = self.running[occupied.pop()]
+            if not clip.joined:
+                return
+            hole = self.running.index(None)
+            self.decoder.move(clip.slot, hole, clip.position)
+            self.running[hole], self.running[clip.slot], clip.slot = clip, None, hole
+            occupied = sorted([*occupied, hole])
+            self.moves += 1
 
     def _rest_of_prompt(self, clip: Clip) -> list[int]:
         return [clip.language_id, self.tasks[clip.task], self.no_timestamps]

@@ -101,6 +101,37 @@ def test_clips_joining_and_leaving_a_running_batch_keep_transformers_tokens(whis
     assert 0 < engine.joins < engine.encoded == len(clips)  # some joins took two clips (encoder_batch 2)
 
 
+def test_a_clip_in_the_highest_slot_moves_down_when_a_lower_one_leaves(whisper_checkpoint):
+    """Three clips fill three slots and the one in slot 0 ends first: the clip in slot 2 moves into it (its
+    cross-attention and self-attention caches copied; slot 0 held another prompt's), the steps after compute two rows
+    instead of three, and every clip keeps transformers' tokens."""
+    from transformers import WhisperForConditionalGeneration
+
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=3)
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    audio = [RNG.normal(0, 0.05 * (i + 1), int(16000 * s)).astype(np.float32) for i, s in enumerate((2, 9, 5))]
+    clips = [Clip(a, language, task, budget) for a, language, task, budget in
+             zip(audio, ("de", "en", "en"), ("translate", "transcribe", "transcribe"), (1, 30, 30))]
+    engine.add(*clips)
+    rows, done = [], []
+
+    def step() -> None:
+        computed = engine.computed
+        done.extend(engine.step())
+        rows.append(engine.computed - computed)
+    for _ in range(4):  # the prompt's four tokens: the fourth step gives slot 0's clip its one token
+        step()
+    assert done == [clips[0]] and engine.moves == 0
+    step()
+    assert engine.running[2] is None and engine.running[0] is clips[2] and engine.moves == 1
+    while engine.has_work:
+        step()
+    assert rows[:5] == [3, 3, 3, 3, 2]
+    for clip in clips:
+        assert clip.error is None
+        assert clip.tokens == reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
+
+
 def test_a_higher_class_preempts_the_last_low_clip_which_restarts_with_the_same_tokens(whisper_checkpoint):
     from backends.core.qos import QosParams, QosPolicy
 

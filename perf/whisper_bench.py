@@ -105,9 +105,9 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
                                        *np.mean(occupancy, axis=0), *per_clip, "-", "-", "-", "-", "-"]
 
 
-ENGINE_COLUMNS = ["decode batch", "rows a step", "decoder steps/s", "step ms", "join ms", "metrics ms", "clips a join",
-                  "clips in slots", "joining", "waiting", "clip waiting ms", "clip joining ms", "clip decoding ms",
-                  "queued", "queue wait ms", "in model ms", "answer ms", "Triton queue ms"]
+ENGINE_COLUMNS = ["decode batch", "rows a step", "decoder steps/s", "step ms", "join ms", "metrics ms",
+                  "clips a join", "clips in slots", "joining", "waiting", "clip waiting ms", "clip joining ms",
+                  "clip decoding ms", "queued", "queue wait ms", "in model ms", "answer ms", "Triton queue ms"]
 
 
 def engine_columns(point: LoadPoint) -> list[float]:

@@ -4,26 +4,32 @@ lets clips join and leave a running batch between steps (continuous batching).
 Every slot owns a row of preallocated caches: the cross-attention keys/values of its clip's encoder output, written
 once when the clip joins, and the self-attention keys/values of the tokens it fed so far. A step runs rows 0..n-1
 (n: one past the highest slot in use; free slots below it compute garbage in their own rows, which nobody reads and
-the next clip there overwrites from position 0). Self-attention covers all `max_positions` cache entries under a mask
-of the slot's own positions, so every step has the same shapes and can be replayed from a CUDA graph per number of
-rows: powers of two up to 8, then multiples of 8 (ROW_STEP; backends.core.cuda_graphs); a joining clip takes the
-lowest free slot, and the engine moves a clip from a high slot into a free one below (`move`) when that lets a step
-run a smaller graph, so the rows in use stay low. The step returns three greedy choices per row, so only 3 integers per
+the next clip there overwrites from position 0). Self-attention covers the cache's first entries up to a span (64,
+128, 256, ... `max_positions`) that holds every row's position, under a mask of the slot's own positions, so a
+step's shapes depend only on its rows and span, and it is replayed from a CUDA graph per span and number of rows:
+powers of two up to 8, then multiples of 8 (ROW_STEP; backends.core.cuda_graphs). A joining clip takes the lowest
+free slot, and the engine moves a clip from a high slot into a free one below (`move`) when that lets a step run a
+smaller graph, so the rows in use stay low. The step returns three greedy choices per row, so only 3 integers per
 row cross back to the host: the language token (detect_language's rule: the highest logit among language tokens,
 before suppression), the next token under suppress_tokens, and the same for the first generated token, when
 begin_suppress_tokens apply too.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from backends.core.cuda_graphs import batch_sizes, try_graphs
+from backends.core.cuda_graphs import GraphedBatches, batch_sizes, try_graphs
 
 # graphs of 8, 16, 24, ... rows above 8: a step reads every row's cross-attention keys and values (245 MB a row at
 # large-v3's shapes, 64 rows 15.7 GB) and self-attention cache (73 MB), so with powers of two 33 rows in use would
 # read 64 rows' worth
 ROW_STEP = 8
+# self-attention spans: a row's self-attention cache is 73 MB at large-v3's shapes (448 positions), while clips of a
+# few seconds end within 100 tokens
+FIRST_SPAN = 64
 
 
 class SlotDecoder:
@@ -47,8 +53,20 @@ class SlotDecoder:
         self.language_ids = torch.tensor(sorted(gen.lang_to_id.values()), device=device)
         self.positions = torch.arange(self.max_positions, device=device)
         self.sizes = batch_sizes(slots, ROW_STEP)
-        self.graphs = try_graphs(self._step, [(), ()], [torch.long, torch.long], device, slots, step=ROW_STEP) \
-            if graphs and device.type == "cuda" else None
+        self.spans = [span for span in (FIRST_SPAN << i for i in range(self.max_positions.bit_length()))
+                      if span < self.max_positions] + [self.max_positions]
+        self.graphs = self._capture() if graphs and device.type == "cuda" else None
+
+    def _capture(self) -> dict[int, GraphedBatches] | None:
+        """A step's graphs for each span (None, said in the log, when one cannot be captured: steps run op by
+        op)."""
+        graphs = {}
+        for span in self.spans:
+            graphs[span] = try_graphs(functools.partial(self._step, span=span), [(), ()], [torch.long, torch.long],
+                                      self.device, self.slots, step=ROW_STEP)
+            if graphs[span] is None:
+                return None
+        return graphs
 
     def rows(self, used: int) -> int:
         """The rows a step computes when `used` rows are asked for: the smallest graph that holds them (on a GPU),
@@ -81,20 +99,22 @@ class SlotDecoder:
         """Feed `tokens[i]` at `positions[i]` to slot i (i < len(tokens)); per row [language, next, first next]."""
         ids = torch.tensor(tokens, device=self.device)
         at = torch.tensor(positions, device=self.device)
-        (choices,) = self.graphs(ids, at) if self.graphs else (self._step(ids, at),)
+        span = next(span for span in self.spans if span > max(positions))
+        (choices,) = self.graphs[span](ids, at) if self.graphs else (self._step(ids, at, span),)
         return choices.tolist()
 
-    def _step(self, ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """ids, at: [rows] -> [rows, 3] greedy choices (see the module's docstring)."""
+    def _step(self, ids: torch.Tensor, at: torch.Tensor, span: int) -> torch.Tensor:
+        """ids, at: [rows] (every position below `span`) -> [rows, 3] greedy choices (see the module's
+        docstring)."""
         rows = ids.shape[0]
         index = torch.arange(rows, device=ids.device)
-        mask = (self.positions <= at[:, None])[:, None, None, :]  # [rows, 1, 1, max_positions]
+        mask = (self.positions[:span] <= at[:, None])[:, None, None, :]  # [rows, 1, 1, span]
         x = (self.decoder.embed_tokens(ids) + self.decoder.embed_positions.weight[at])[:, None]  # [rows, 1, d]
         for layer, kv, cross in zip(self.decoder.layers, self.self_kv, self.cross_kv):
             h = layer.self_attn_layer_norm(x)
             q, k, v = (self._heads(proj(h)) for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                                                          layer.self_attn.v_proj))
-            keys, values = kv[0, :rows], kv[1, :rows]
+            keys, values = kv[0, :rows, :, :span], kv[1, :rows, :, :span]
             keys[index, :, at], values[index, :, at] = k[:, :, 0], v[:, :, 0]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             x = x + layer.self_attn.out_proj(attn.transpose(1, 2).flatten(2))

@@ -132,6 +132,28 @@ def test_a_clip_in_the_highest_slot_moves_down_when_a_lower_one_leaves(whisper_c
         assert clip.tokens == reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
 
 
+def test_self_attention_spans_widen_with_the_furthest_position(whisper_checkpoint):
+    """A clip decoding past 64 positions (the first self-attention span) and one that joins after it: steps cover
+    64, then 128 positions of the cache, and both clips keep transformers' tokens."""
+    from transformers import WhisperForConditionalGeneration
+
+    engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu", slots=2)
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    spans, step = [], engine.decoder._step
+    engine.decoder._step = lambda ids, at, span: (spans.append(span), step(ids, at, span))[1]
+    audio = [RNG.normal(0, 0.05 * (i + 1), int(16000 * s)).astype(np.float32) for i, s in enumerate((6, 3))]
+    long, late = Clip(audio[0], "en", "transcribe", 100), Clip(audio[1], "de", "translate", 12)
+    engine.add(long)
+    for _ in range(70):
+        engine.step()
+    engine.add(late)
+    while engine.has_work:
+        engine.step()
+    assert len(long.tokens) > 70 and spans[0] == 64 and spans[-1] == 128 and set(spans) == {64, 128}
+    for clip in (long, late):
+        assert clip.tokens == reference_tokens(model, engine, clip.audio, clip.language, clip.task, clip.budget)
+
+
 def test_a_higher_class_preempts_the_last_low_clip_which_restarts_with_the_same_tokens(whisper_checkpoint):
     from backends.core.qos import QosParams, QosPolicy
 

@@ -46,6 +46,7 @@ OPTIONS = {"overlap",  # overlap_steps on
            "whole",  # decode graphs captured whole, not in pieces (runner.GRAPH_PIECES)
            "ramp",  # decode graphs in pieces of 1, 2, 4, ... layers (runner.GRAPH_RAMP)
            "pdl",  # every GEMV launched with PDL, not only those after a prepare kernel (gemv.PDL_UNPREPARED)
+           "pdlattn",  # rotary + cache write, paged decode attention and o_proj's GEMV with PDL (gemv.PDL_ATTENTION)
            "lmhead"}  # FP8 variants: the LM head in FP8 too (build_engines --fp8-lm-head)
 LLAMA_3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -190,7 +191,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
     notes = []
     labels = [" ".join(v) for v in variants]
     defaults = (fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS, runner.GRAPH_PIECES, runner.GRAPH_RAMP,
-                gemv.PDL_UNPREPARED)  # (variants
+                gemv.PDL_UNPREPARED, gemv.PDL_ATTENTION)  # (variants
     # change them; restored at the end)
     for (precision, attention, linear, *options), label in zip(variants, labels):
         options = set(options[0].split("+")) if options else set()
@@ -199,6 +200,7 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         runner.GRAPH_PIECES = 1 if "whole" in options else defaults[2]
         runner.GRAPH_RAMP = "ramp" in options or defaults[3]
         gemv.PDL_UNPREPARED = "pdl" in options or defaults[4]
+        gemv.PDL_ATTENTION = "pdlattn" in options or defaults[5]
         start = time.perf_counter()
         config = EngineConfig(dtype="bf16", device=str(device), max_batch=args.concurrency,
                               kv_cache_memory_mb=16384 if device.type == "cuda" else 512,
@@ -246,8 +248,8 @@ def compare_engines(args, device: torch.device, bandwidth: float, variants: list
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS, runner.GRAPH_PIECES, runner.GRAPH_RAMP, gemv.PDL_UNPREPARED = \
-        defaults
+    (fp8_gemm.SWAP_FROM_ROWS, fp8.W8A8_GEMM_MAX_ROWS, runner.GRAPH_PIECES, runner.GRAPH_RAMP, gemv.PDL_UNPREPARED,
+     gemv.PDL_ATTENTION) = defaults
     columns = ["measure", *labels, *(f"{label} / {labels[0]}" for label in labels[1:])]
 
     def row(measure: str, key: str, fmt: str) -> list[str]:

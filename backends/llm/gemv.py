@@ -26,6 +26,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 FP8 = torch.float8_e4m3fn
 MAX_K = 32768  # the longest input row `prepare` takes (one program holds it in registers)
 PDL_UNPREPARED = False  # PDL for GEMVs with no prepare kernel before them too (o_proj, down_proj); perf.llm_engine
+# rotary + cache write (rope_cache.py) and paged decode attention (paged_decode.py) launched with PDL, each letting the
+# next launch early, and o_proj's GEMV after them (`early`): its first weight tile read while attention runs. Off until
+# measured on a GPU (perf.llm_engine's "pdlattn" variant)
+PDL_ATTENTION = False
 
 
 @dataclass(frozen=True)
@@ -247,11 +251,12 @@ def prepare(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, qua
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, quantize_input: bool = True, *,
          norm: tuple[torch.Tensor, float] | None = None, gated: bool = False, residual: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, early: bool = False) -> torch.Tensor:
     """residual + f(x) W^T (+ bias) for x [M, K] (M small), weight [N, K] in x's dtype or E4M3 with `weight_scale`
     [N, 1]; f = RMSNorm with (weight, eps) `norm`, or nothing. `gated`: W is [gate | up] and the output [M, N / 2] is
     SiLU(gate) * up (no residual then). FP8: `input_scale` None quantizes each row with its own scale;
-    `quantize_input` False leaves the input as it is (weights-only FP8)."""
+    `quantize_input` False leaves the input as it is (weights-only FP8). `early`: the kernel before it is attention,
+    which lets it launch early under PDL_ATTENTION."""
     (n, k), m = weight.shape, x.shape[0]
     fp8 = weight.dtype == FP8
     if x.shape[1] != k or (fp8 and weight_scale is None) or (gated and (n % 2 or residual is not None)):
@@ -264,7 +269,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     prepared = norm is not None or quantize
     # PDL where a prepare kernel comes first: the weight reads start while it runs (FP8: 1-2 us a projection on the
     # H200); bf16 GEMVs after each other were slower with it (gate_up 59.9 vs 57.4 us), the early CTAs competing
-    pdl = c.pdl and (prepared or PDL_UNPREPARED) and pdl_runs_on(x.device)
+    pdl = c.pdl and (prepared or PDL_UNPREPARED or early and PDL_ATTENTION) and pdl_runs_on(x.device)
     x_scale = None
     if prepared:
         x, x_scale = prepare(x, norm, quantize, input_scale, pdl)

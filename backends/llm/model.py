@@ -104,11 +104,12 @@ def gemv_runs_on(device: torch.device, fp8: bool) -> bool:
 
 def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm | None = None, gated: bool = False,
             residual: torch.Tensor | None = None,
-            lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+            lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None, early: bool = False) -> torch.Tensor:
     """g(linear(f(x)) (+ adapters(f(x)))) (+ residual), f = the RMSNorm `norm` or nothing, g = SiLU(gate) * up of the
     output's halves (`gated`) or nothing: one GEMV kernel with its neighbours fused where gemv_operands allows, else
     the separate ops (linear's forward sees its own input). With adapters, f(x) is made once for both products, and
-    `lora(out, f(x))` adds theirs into the output before g and the residual (PEFT's order)."""
+    `lora(out, f(x))` adds theirs into the output before g and the residual (PEFT's order). `early`: gemv's (after
+    attention)."""
     if lora is not None:
         x = x if norm is None else norm(x)
         out = project(linear, x, kernels)
@@ -117,7 +118,7 @@ def project(linear: nn.Module, x: torch.Tensor, kernels: Kernels, norm: RMSNorm 
         from backends.llm.gemv import gemv
 
         return gemv(x, *operands, norm=None if norm is None else (norm.weight, norm.eps), gated=gated,
-                    residual=residual)
+                    residual=residual, early=early)
     else:
         out = linear(x if norm is None else norm(x))
     out = kernels.silu_mul(out) if gated else out
@@ -235,7 +236,8 @@ class DecoderLayer(nn.Module):
         attn, mlp, kernels = self.self_attn, self.mlp, self.kernels
         delta = {} if lora is None else lora.layer(self.index)  # projection name -> its adapter products
         qkv = project(attn.qkv_proj, x, kernels, norm=self.input_layernorm, lora=delta.get("qkv_proj"))
-        x = project(attn.o_proj, attn(qkv, cos, sin, kv, meta), kernels, residual=x, lora=delta.get("o_proj"))
+        x = project(attn.o_proj, attn(qkv, cos, sin, kv, meta), kernels, residual=x, lora=delta.get("o_proj"),
+                    early=True)
         hidden = project(mlp.gate_up_proj, x, kernels, norm=self.post_attention_layernorm, gated=True,
                          lora=delta.get("gate_up_proj"))  # SiLU(gate) * up
         return project(mlp.down_proj, hidden, kernels, residual=x, lora=delta.get("down_proj"))

@@ -15,19 +15,21 @@ running max and sum, and the last of a sequence's and KV head's programs to fini
 in partition order, so the result does not depend on timing. (A second kernel did that before: a launch more a layer,
 0.05 ms of the 4.18 ms of kernels of a batch-1 step on the H200.) An FP8 cache (uint8 bytes) is converted as it is
 read; the callers fold its scales into the queries and the output (attention.py). Shapes depend only on the batch and
-the block-table width, so the kernels sit inside the engine's CUDA graphs.
+the block-table width, so the kernels sit inside the engine's CUDA graphs. Under gemv.PDL_ATTENTION the kernel is
+launched with PDL (it waits for the kernels before it first) and lets o_proj's GEMV launch at once.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from backends.llm.gemv import Workspace
+from backends.llm import gemv
 
 TOKENS = 32  # keys per inner step
 TARGET_PROGRAMS = 2048  # programs at the widest context: an H100/H200 (132 SMs) filled several times over
-COUNTERS = Workspace()  # zeroed int32 counters of finished partitions, per (sequence, KV head); each call resets them
+COUNTERS = gemv.Workspace()  # zeroed int32 counters of finished partitions, per (sequence, KV head); each call resets them
 
 
 @triton.jit(do_not_specialize=["partitions"])
@@ -35,7 +37,10 @@ def _partition_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, acc_ptr, sta
                       stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, partitions,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
-                      PARTITIONS_PAD: tl.constexpr):
+                      PARTITIONS_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + seq)
     active = tl.maximum(1, tl.minimum(partitions, tl.cdiv(length, TOKENS)))  # partitions holding keys (1 at least)
@@ -115,10 +120,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     stats = torch.empty(batch * heads * parts, 2, dtype=torch.float32, device=q.device)
     counters, _ = COUNTERS.get(q.device, 0, batch * kv_heads)
     out = torch.empty_like(q)
+    pdl = gemv.PDL_ATTENTION and gemv.pdl_runs_on(q.device)
     _partition_kernel[(batch, kv_heads, parts)](
         q, k_cache, v_cache, block_tables, lengths, acc, stats, counters, out, scale or head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         parts, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TOKENS=TOKENS, FP8=k_cache.dtype == torch.uint8,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTITIONS_PAD=triton.next_power_of_2(parts))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PARTITIONS_PAD=triton.next_power_of_2(parts),
+        PDL=pdl, **gemv.launch(pdl))
     return out

@@ -133,3 +133,24 @@ def test_engine_tokens_equal_with_prefix_caching_and_chunked_prefill_on_gpu():
         engine.step()
     assert [s.output_ids for s in [first, *rest]] == expected
     assert engine.blocks.hit_tokens > 0 and engine.stats.prefill_steps > 2  # the four prompts' rest took 2+ steps
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch on a GPU (perf/gpu_bench.sh runs this)")
+def test_engine_decodes_the_same_with_attention_launched_early(monkeypatch):
+    """gemv.PDL_ATTENTION: the rotary + cache write kernel, this kernel and o_proj's GEMV launched with PDL, each
+    waiting for the kernel before it ahead of its reads, inside the decode CUDA graphs (bf16: the GEMVs run): the same
+    tokens as launched plainly."""
+    from backends.llm import gemv
+    from backends.llm.engine import EngineConfig, LLMEngine
+    from backends.llm.sampling import SamplingParams
+    from build_engines.checkpoints import tiny_checkpoint
+    from tests.conftest import ROOT
+
+    checkpoint = tiny_checkpoint("llm", ROOT / ".checkpoints")
+    prompts, params = ["a photo of the cat", "red car", "hello there"], SamplingParams(max_tokens=40, min_tokens=40)
+    outputs = []
+    for early in (False, True):
+        monkeypatch.setattr(gemv, "PDL_ATTENTION", early)
+        engine = LLMEngine(checkpoint, EngineConfig(dtype="bf16", device="cuda", kv_cache_memory_mb=64))
+        outputs.append([[s.output_ids for s in engine.generate([p], params)] for p in prompts])  # batch 1: GEMVs
+    assert outputs[0] == outputs[1]

@@ -29,7 +29,7 @@ from backends.llm import gemv
 
 TOKENS = 32  # keys per inner step
 TARGET_PROGRAMS = 2048  # programs at the widest context: an H100/H200 (132 SMs) filled several times over
-COUNTERS = gemv.Workspace()  # zeroed int32 counters of finished partitions, per (sequence, KV head); each call resets them
+COUNTERS = gemv.Workspace()  # zeroed int32 counters of finished partitions, per (sequence, KV head); calls reset them
 
 
 @triton.jit(do_not_specialize=["partitions"])

@@ -253,7 +253,9 @@ class ContinuousBatcher(Batcher):
     Batcher. `after()` (metrics) runs once jobs joined or left, at most every AFTER_EVERY_S while the engine is busy
     (each metric update is a round trip to the server) and at once when it goes idle."""
 
-    AFTER_EVERY_S = 0.05
+    # each update is a round trip to the server per metric, with no step launched meanwhile: at 0.05 s whisper's
+    # loop spent 0.24 ms a step on them, 1.6% of its time (H100, perf/results/h100/2026-12-07e-whisper-throughput.md)
+    AFTER_EVERY_S = 0.25
 
     def __init__(self, engine: Stepper, window: BatchWindow, name: str = "batcher",
                  setup: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None,

@@ -69,8 +69,8 @@ class SlotDecoder:
         return graphs
 
     def rows(self, used: int) -> int:
-        """The rows a step computes when `used` rows are asked for: the smallest graph that holds them (on a GPU),
-        else `used`."""
+        """The rows a step computes when `used` rows are asked for: the smallest graph that holds them when steps
+        run from CUDA graphs, else `used`."""
         return next(size for size in self.sizes if size >= used) if self.graphs else used
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows and
-clips joining (features + encoder + cross-attention keys/values) 1, 4 or 16 at a time, each op by op and from CUDA
-graphs (with the rate of the encoder's arithmetic, and under torch.profiler: kernel time by kind), again with
-transformers' WhisperEncoder.forward in place of the engine's fused encoder, and the engine's loop with every slot
-busy split into joins, decoder steps and the rest (host work between steps).
+"""Where the continuous-batched Whisper engine spends its time, in one process: one decoder step at 1..64 rows (the
+engine's fused step, and again unfused: backends.whisper.decoder) and clips joining (features + encoder +
+cross-attention keys/values) 1, 4 or 16 at a time, each op by op and from CUDA graphs (with the rate of the
+encoder's arithmetic, and under torch.profiler: kernel time by kind), again with transformers' WhisperEncoder.forward
+in place of the engine's fused encoder, and the engine's loop with every slot busy split into joins, decoder steps
+and the rest (host work between steps).
 Milliseconds, the device synchronised after each part (so in the loop the encoders of joining clips do not overlap
 the decoder steps as they do in the engine's own loop: see `whole step, unsynchronised`).
 
@@ -147,12 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     eager.join(every_slot, encoded)
     table = []
     # at position 40 self-attention spans the cache's first 64 entries; at 400, all 448 (SlotDecoder.spans)
-    for rows, position in [*((rows, 40) for rows in ROWS), (max(ROWS), 400)]:
+    steps = [*((rows, 40) for rows in ROWS), (max(ROWS), 400)]
+    for rows, position in steps:
         tokens, positions = [engine.sot] * rows, [position] * rows
         op_by_op, _ = timed(lambda: eager.step(tokens, positions), args.repeats)
         graphed, _ = timed(lambda: engine.decoder.step(tokens, positions), args.repeats)
         table.append([f"decoder step, {rows} rows at position {position}", op_by_op, graphed])
     del eager
+    # the step as it was before `fused`: three q/k/v projections, each residual add and LayerNorm a kernel
+    unfused = SlotDecoder(engine.model, max(ROWS), graphs=True, fused=False)
+    unfused.join(every_slot, encoded)
+    for rows, position in steps:
+        tokens, positions = [engine.sot] * rows, [position] * rows
+        graphed, _ = timed(lambda: unfused.step(tokens, positions), args.repeats)
+        table.append([f"decoder step, {rows} rows at position {position}, unfused", "-", graphed])
+    del unfused
     audio = [np.random.default_rng(i).normal(0, 0.1, 16000 * 28).astype(np.float32) for i in range(16)]
     flops = join_flops(engine.model.config)
     rows, profiles = join_rows(engine, audio, "", flops, args.repeats, args.profile_joins)
@@ -164,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     shares = loop_shares(engine, args.loop_steps)
     table += [[f"loop with {max(ROWS)} clips in flight: {name}", "-", value] for name, value in shares.items()]
     notes = [f"Engine: {args.version_dir} in {args.dtype}; decoder steps over all {max(ROWS)} slots' caches with "
-             "random encoder states; joins of 28 s clips; the loop keeps every slot busy with the bench's clips "
-             "(perf.whisper_bench.CLIPS) and splits each step's time (ms per step; `mean rows`: clips per step; "
-             "`tokens/s`: tokens fed per second).",
+             "random encoder states (the engine's fused step unless the row says unfused); joins of 28 s clips; "
+             "the loop keeps every slot busy with the bench's clips (perf.whisper_bench.CLIPS) and splits each "
+             "step's time (ms per step; `mean rows`: clips per step; `tokens/s`: tokens fed per second).",
              f"A clip's join is {flops / 1e12:.2f} TFLOP (convolutions, encoder layers with attention over all "
              "frames, cross-attention keys and values); `TFLOP/s`: that over the faster join time. Joins use the "
              "engine's fused encoder (backends/whisper/encoder.py) unless the row says transformers' encoder.",

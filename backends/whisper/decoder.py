@@ -13,6 +13,11 @@ smaller graph, so the rows in use stay low. The step returns three greedy choice
 row cross back to the host: the language token (detect_language's rule: the highest logit among language tokens,
 before suppression), the next token under suppress_tokens, and the same for the first generated token, when
 begin_suppress_tokens apply too.
+
+A step is hundreds of small kernels (at one row an H100 took 3.4 ms, at 64 rows 10.2 ms from CUDA graphs:
+perf/results/h100/2026-12-07e-whisper-steps.md), so with `fused` (the default) self-attention's q, k and v come from one
+projection and each residual add runs with the next LayerNorm in one kernel (compiled on a GPU), as in the fused
+encoder (backends.whisper.encoder): five kernels fewer a layer, the same arithmetic.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.core.cuda_graphs import GraphedBatches, batch_sizes, try_graphs
+from backends.whisper.encoder import add_norm
 
 # graphs of 8, 16, 24, ... rows above 8: a step reads every row's cross-attention keys and values (245 MB a row at
 # large-v3's shapes, 64 rows 15.7 GB) and self-attention cache (73 MB), so with powers of two 33 rows in use would
@@ -32,9 +38,17 @@ ROW_STEP = 8
 FIRST_SPAN = 64
 
 
+def residual_norm(hidden: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after `update` and its LayerNorm (the next sublayer's input); a function of its own, so
+    that its compiled kernels are cached apart from the encoder's."""
+    return add_norm(hidden, update, weight, bias, eps, None)
+
+
 class SlotDecoder:
-    def __init__(self, model, slots: int, graphs: bool):
-        """`model`: a WhisperForConditionalGeneration (eval, on its device and dtype)."""
+    def __init__(self, model, slots: int, graphs: bool, fused: bool = True):
+        """`model`: a WhisperForConditionalGeneration (eval, on its device and dtype); `fused`: see the module's
+        docstring."""
         config, gen = model.config, model.generation_config
         self.model, self.decoder, self.slots = model, model.model.decoder, slots
         self.heads, self.head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
@@ -52,6 +66,13 @@ class SlotDecoder:
         self.begin_suppress = torch.tensor(gen.begin_suppress_tokens or [], dtype=torch.long, device=device)
         self.language_ids = torch.tensor(sorted(gen.lang_to_id.values()), device=device)
         self.positions = torch.arange(self.max_positions, device=device)
+        # self-attention's q, k and v in one projection (k has no bias: zeros in its place), made once: a copy of
+        # the weights (large-v3: 315 MB)
+        self.qkv = [(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                     torch.cat([a.q_proj.bias, torch.zeros_like(a.q_proj.bias), a.v_proj.bias]))
+                    for a in (layer.self_attn for layer in self.decoder.layers)] if fused else None
+        self.residual_norm = torch.compile(residual_norm, dynamic=True) if fused and device.type == "cuda" \
+            else residual_norm
         self.sizes = batch_sizes(slots, ROW_STEP)
         self.spans = [span for span in (FIRST_SPAN << i for i in range(self.max_positions.bit_length()))
                       if span < self.max_positions] + [self.max_positions]
@@ -76,6 +97,17 @@ class SlotDecoder:
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, d_model] -> [B, heads, T, head_dim]"""
         return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
+
+    def _add_norm(self, x: torch.Tensor, update: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.residual_norm(x, update, norm.weight, norm.bias, norm.eps)
+
+    def _self_qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer i's self-attention q, k and v of `h` [rows, 1, d_model], each [rows, heads, head_dim]."""
+        rows = h.shape[0]
+        if self.qkv is not None:
+            return F.linear(h, *self.qkv[i]).view(rows, 3, self.heads, self.head_dim).unbind(1)
+        a = self.decoder.layers[i].self_attn
+        return tuple(proj(h).view(rows, self.heads, self.head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj))
 
     @torch.inference_mode()
     def join(self, slots: torch.Tensor, encoded: torch.Tensor) -> None:
@@ -110,19 +142,22 @@ class SlotDecoder:
         index = torch.arange(rows, device=ids.device)
         mask = (self.positions[:span] <= at[:, None])[:, None, None, :]  # [rows, 1, 1, span]
         x = (self.decoder.embed_tokens(ids) + self.decoder.embed_positions.weight[at])[:, None]  # [rows, 1, d]
-        for layer, kv, cross in zip(self.decoder.layers, self.self_kv, self.cross_kv):
-            h = layer.self_attn_layer_norm(x)
-            q, k, v = (self._heads(proj(h)) for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                         layer.self_attn.v_proj))
+        layers = self.decoder.layers
+        h = layers[0].self_attn_layer_norm(x)
+        for i, (layer, kv, cross) in enumerate(zip(layers, self.self_kv, self.cross_kv)):
+            q, k, v = self._self_qkv(i, h)
             keys, values = kv[0, :rows, :, :span], kv[1, :rows, :, :span]
-            keys[index, :, at], values[index, :, at] = k[:, :, 0], v[:, :, 0]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            x = x + layer.self_attn.out_proj(attn.transpose(1, 2).flatten(2))
-            q = self._heads(layer.encoder_attn.q_proj(layer.encoder_attn_layer_norm(x)))
-            attn = F.scaled_dot_product_attention(q, cross[0, :rows], cross[1, :rows])
-            x = x + layer.encoder_attn.out_proj(attn.transpose(1, 2).flatten(2))
-            x = x + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
-        logits = self.model.proj_out(self.decoder.layer_norm(x[:, 0])).float()
+            keys[index, :, at], values[index, :, at] = k, v
+            attn = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask)
+            x, h = self._add_norm(x, layer.self_attn.out_proj(attn.transpose(1, 2).flatten(2)),
+                                  layer.encoder_attn_layer_norm)
+            attn = F.scaled_dot_product_attention(self._heads(layer.encoder_attn.q_proj(h)), cross[0, :rows],
+                                                  cross[1, :rows])
+            x, h = self._add_norm(x, layer.encoder_attn.out_proj(attn.transpose(1, 2).flatten(2)),
+                                  layer.final_layer_norm)
+            following = layers[i + 1].self_attn_layer_norm if i + 1 < len(layers) else self.decoder.layer_norm
+            x, h = self._add_norm(x, layer.fc2(layer.activation_fn(layer.fc1(h))), following)
+        logits = self.model.proj_out(h[:, 0]).float()
         language = self.language_ids[logits[:, self.language_ids].argmax(-1)]
         logits = logits.index_fill(-1, self.suppress, -torch.inf)
         first = logits.index_fill(-1, self.begin_suppress, -torch.inf).argmax(-1)

@@ -307,6 +307,31 @@ def test_fused_encoder_states_equal_transformers_encoder(checkpoints, device, dt
     assert isinstance(WhisperEngine(checkpoint, "fp32", "cpu").encoder, FusedEncoder)
 
 
+def test_fused_decoder_steps_equal_the_unfused_ones(whisper_checkpoint):
+    """SlotDecoder's fused step (one q/k/v projection, residual adds with the next LayerNorm; the engine's default)
+    against three projections and separate kernels: the same choices and self-attention caches, step by step, for
+    slots at different positions."""
+    from transformers import WhisperForConditionalGeneration
+
+    from backends.whisper.decoder import SlotDecoder
+
+    model = WhisperForConditionalGeneration.from_pretrained(whisper_checkpoint, dtype=torch.float32).eval()
+    fused, plain = SlotDecoder(model, 3, graphs=False), SlotDecoder(model, 3, graphs=False, fused=False)
+    assert fused.qkv is not None and plain.qkv is None
+    config = model.config
+    encoded = torch.randn(3, config.max_source_positions, config.d_model, generator=torch.Generator().manual_seed(5))
+    for decoder in (fused, plain):
+        decoder.join(torch.arange(3), encoded)
+    tokens, positions = [model.generation_config.decoder_start_token_id] * 3, [0, 3, 7]
+    for _ in range(6):
+        choices = fused.step(tokens, positions)
+        assert choices == plain.step(tokens, positions)
+        tokens, positions = [row[1] for row in choices], [p + 1 for p in positions]
+    for mine, theirs in zip(fused.self_kv, plain.self_kv):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert fused.self_kv[0].abs().sum() > 0
+
+
 def test_unknown_language_and_task_are_refused(whisper_checkpoint):
     engine = WhisperEngine(whisper_checkpoint, "fp32", "cpu")
     clip = np.zeros(1600, dtype=np.float32)

@@ -76,12 +76,13 @@ def run_perf_analyzer(model: str, url: str, input_data: Path, csv_path: Path, *,
 
 
 def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[float], interval_ms: int,
-          watch: bool = False, protocol: str = "grpc", extra: list[str] | None = None
-          ) -> tuple[list[LoadPoint], str | None, list[str]]:
+          watch: bool = False, protocol: str = "grpc", extra: list[str] | None = None,
+          watch_until: str | None = None) -> tuple[list[LoadPoint], str | None, list[str]]:
     """One perf_analyzer run per level (power-of-two sweeps; perf_analyzer's own ranges are linear), each with the
     mean GPU utilisation during it. Returns the points, where the utilisation came from (None: no GPU) and notes on
     levels left out because perf_analyzer found no stable measurement there. `watch`: each point also gets the
-    model's metrics read over its run (what the engine did: steps and tokens counted, clips in its gauges).
+    model's metrics read over its run (what the engine did: steps and tokens counted, clips in its gauges;
+    `watch_until`: MetricsWatch's `until`).
     `protocol`: perf_analyzer's, grpc or http; `extra`: more perf_analyzer arguments (e.g. --async)."""
     points, source, notes = [], None, []
     url = server.grpc_url if protocol == "grpc" else server.http_url
@@ -90,7 +91,7 @@ def sweep(model: str, server, data: Path, tmp: Path, kind: str, levels: list[flo
         args = {"concurrency": value} if kind == "concurrency" else {"request_rate": value}
         try:
             with GpuUtilization(server.metrics_url) as gpu, \
-                    MetricsWatch(server.metrics_url, model) if watch else nullcontext() as watched:
+                    MetricsWatch(server.metrics_url, model, until=watch_until) if watch else nullcontext() as watched:
                 (point,) = run_perf_analyzer(model, url, data, tmp / f"{model}-{kind}-{value}.csv",
                                              protocol=protocol, interval_ms=interval_ms, extra=extra, **args)
             point = dataclasses.replace(point, watched=watched)

@@ -39,11 +39,14 @@ class MetricsWatch:
     reading before its `progress` counter first grew to the first one after it last grew; the whole watch when it
     never grew): a client's start-up and wind-down would otherwise count as idle engine time. The default counts
     the answers of models under our batcher (Triton's nv_inference_request_success counts a request of theirs
-    when `execute` returns, before its answer)."""
+    when `execute` returns, before its answer). With `until`, the span ends at the first reading after that counter
+    last grew instead: e.g. `qos_admitted_total`, so that the engine draining its last requests after the client
+    stopped (fewer at a time, so faster steps) is left out as well."""
 
     def __init__(self, metrics_url: str, model: str, period_s: float = 0.25,
-                 progress: str = "qos_request_seconds_count"):
+                 progress: str = "qos_request_seconds_count", until: str | None = None):
         self.metrics_url, self.model, self.period_s, self.progress = metrics_url, model, period_s, progress
+        self.until = until or progress
         self.readings: list[tuple[float, dict[str, float]]] = []  # (monotonic time, the model's series)
         self._stop = threading.Event()
 
@@ -67,10 +70,12 @@ class MetricsWatch:
 
     @property
     def span(self) -> list[tuple[float, dict[str, float]]]:
-        """The readings from the last one before `progress` first grew to the first one after it last grew."""
-        counts = [reading.get(self.progress, 0.0) for _, reading in self.readings]
-        grew = [i for i in range(1, len(counts)) if counts[i] != counts[i - 1]]
-        return self.readings[grew[0] - 1:grew[-1] + 1] if grew else self.readings
+        """The readings from the last one before `progress` first grew to the first one after `until` last grew."""
+        def grew(name: str) -> list[int]:
+            counts = [reading.get(name, 0.0) for _, reading in self.readings]
+            return [i for i in range(1, len(counts)) if counts[i] != counts[i - 1]]
+        first, last = grew(self.progress), grew(self.until)
+        return self.readings[first[0] - 1:last[-1] + 1] if first and last and last[-1] >= first[0] else self.readings
 
     @property
     def seconds(self) -> float:

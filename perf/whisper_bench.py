@@ -97,17 +97,20 @@ def in_process(folder: Path, items: list[tuple[bytes, float, int]], concurrency:
     run(clips_per_round)
     seconds, steps = time.perf_counter() - start, engine.steps - steps
     per_clip = [1e3 * (engine.phase_seconds[phase] - phases[phase]) / max(engine.left - left, 1) for phase in PHASES]
+    per_step = [1e3 * (engine.step_seconds - step_s) / steps, 1e3 * (engine.join_seconds - join_s) / steps]
     return clips_per_round / seconds, [(engine.fed - fed) / steps, (engine.computed - computed) / steps,
-                                       steps / seconds,
-                                       1e3 * (engine.step_seconds - step_s) / steps,
-                                       1e3 * (engine.join_seconds - join_s) / steps, "-",
+                                       steps / seconds, *per_step, "-", 1e3 * seconds / steps - sum(per_step),
                                        (engine.encoded - encoded) / max(engine.joins - joins, 1),
                                        *np.mean(occupancy, axis=0), *per_clip, "-", "-", "-", "-", "-"]
 
 
+# the served engine's figures end with the last request it started: the drain after the client stopped (fewer clips
+# a step, so faster steps) left out
+STARTS = "qos_admitted_total"
 ENGINE_COLUMNS = ["decode batch", "rows a step", "decoder steps/s", "step ms", "join ms", "metrics ms",
-                  "clips a join", "clips in slots", "joining", "waiting", "clip waiting ms", "clip joining ms",
-                  "clip decoding ms", "queued", "queue wait ms", "in model ms", "answer ms", "Triton queue ms"]
+                  "other ms", "clips a join", "clips in slots", "joining", "waiting", "clip waiting ms",
+                  "clip joining ms", "clip decoding ms", "queued", "queue wait ms", "in model ms", "answer ms",
+                  "Triton queue ms"]
 
 
 def engine_columns(point: LoadPoint) -> list[float]:
@@ -124,7 +127,7 @@ def engine_columns(point: LoadPoint) -> list[float]:
     per_step = [1e3 * growth.get(name, 0.0) / max(steps, 1.0) for name in (
         "whisper_decode_seconds_total", "whisper_join_seconds_total", "batcher_metrics_seconds_total")]
     return [*(growth.get(f"whisper_decode_{name}_total", 0.0) / max(steps, 1.0) for name in ("tokens", "rows")),
-            steps / point.watched.seconds, *per_step,
+            steps / point.watched.seconds, *per_step, 1e3 * point.watched.seconds / max(steps, 1.0) - sum(per_step),
             growth.get("whisper_encoded_clips_total", 0.0) / max(growth.get("whisper_joins_total", 0.0), 1.0),
             *(mean.get(f"whisper_clips_{name}", 0.0) for name in ("running", "joining", "waiting")),
             *(1e3 * growth.get(f"whisper_clip_{phase}_seconds_total", 0.0)
@@ -164,16 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         device = served_device(config)
         data = write_input_data(tmp / "whisper.json", items)
         *lower, top = args.concurrency
-        points, _, notes = sweep("whisper", server, data, tmp, "concurrency", lower, args.interval_ms, watch=True)
+        points, _, notes = sweep("whisper", server, data, tmp, "concurrency", lower, args.interval_ms, watch=True,
+                                 watch_until=STARTS)
         with stub_profile(args, server, "whisper"):
             top_points, _, top_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
-                                             watch=True)
+                                             watch=True, watch_until=STARTS)
         points, notes = [("Triton", p) for p in points + top_points], notes + top_notes
 
         def top_again(label: str, **how) -> None:
             """The highest concurrency again, as a row `label` (`how`: sweep's protocol or extra arguments)."""
             tried, _, tried_notes = sweep("whisper", server, data, tmp, "concurrency", [top], args.interval_ms,
-                                          watch=True, **how)
+                                          watch=True, watch_until=STARTS, **how)
             points.extend((label, p) for p in tried)
             notes.extend(tried_notes)
         if args.http_too:
@@ -223,12 +227,14 @@ def main(argv: list[str] | None = None) -> int:
              f"continuous-batched greedy decoding; the audio decoded beforehand, as the served model decodes it on "
              f"its prepare threads beside the engine), {4 * load} clips after a warm-up, in this "
              f"process after the server stopped. Best Triton / in-process = {best / rate:.2f}.",
-             "Engine columns, served: over the perf_analyzer run while the model answered (from the last reading "
-             "before its first answer to the first after its last: perf_analyzer's start-up left out), clips fed per "
-             "decoder step, the rows it computed (free slots below the highest in use, up to its CUDA graph's size, "
-             "too) and steps/s from the model's whisper_decode_* counters, the engine loop's ms per step in "
-             "decoder steps (launch and the wait for their choices), starting joins and updating metrics "
-             "(whisper_decode_seconds, whisper_join_seconds, batcher_metrics_seconds), clips an encoder pass took "
+             "Engine columns, served: over the perf_analyzer run while the model answered and started requests (from "
+             "the last reading before its first answer to the first after it last started one: perf_analyzer's "
+             "start-up and the drain after it stopped left out), clips fed per decoder step, the rows it computed "
+             "(free slots below the highest in use, up to its CUDA graph's size, too) and steps/s from the model's "
+             "whisper_decode_* counters, the engine loop's ms per step in decoder steps (launch and the wait for their "
+             "choices), starting joins and updating metrics (whisper_decode_seconds, whisper_join_seconds, "
+             "batcher_metrics_seconds) and the rest of a step's time (other: admitting and answering requests, the "
+             "engine's own bookkeeping, waits for the GIL), clips an encoder pass took "
              "(whisper_encoded_clips / whisper_joins), the means of its gauges read "
              "every 0.25 s: clips in the decoder's slots (joining ones too), joining (encoder not finished) and "
              "waiting for a slot; per clip that left its slot, its mean ms queued in the engine for one, in it while "

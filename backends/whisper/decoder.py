@@ -57,11 +57,13 @@ class SlotDecoder:
         self.device = device
         frames = config.max_source_positions
         layers = len(self.decoder.layers)
-        # zeros, not empty: masked entries still enter attention's weighted sum (as 0 x value), so no NaN may sit there
-        self.self_kv = [torch.zeros(2, slots, self.heads, self.max_positions, self.head_dim, dtype=dtype, device=device)
-                        for _ in range(layers)]
-        self.cross_kv = [torch.zeros(2, slots, self.heads, frames, self.head_dim, dtype=dtype, device=device)
-                         for _ in range(layers)]
+        # one tensor each for all layers (self_kv, cross_kv: its per-layer views), so that moving a slot is two
+        # copies, not two a layer; zeros, not empty: masked entries still enter attention's weighted sum (as 0 x
+        # value), so no NaN may sit there
+        self.self_cache = torch.zeros(layers, 2, slots, self.heads, self.max_positions, self.head_dim, dtype=dtype,
+                                      device=device)
+        self.cross_cache = torch.zeros(layers, 2, slots, self.heads, frames, self.head_dim, dtype=dtype, device=device)
+        self.self_kv, self.cross_kv = list(self.self_cache), list(self.cross_cache)
         self.suppress = torch.tensor(gen.suppress_tokens or [], dtype=torch.long, device=device)
         self.begin_suppress = torch.tensor(gen.begin_suppress_tokens or [], dtype=torch.long, device=device)
         self.language_ids = torch.tensor(sorted(gen.lang_to_id.values()), device=device)
@@ -121,10 +123,8 @@ class SlotDecoder:
     def move(self, source: int, target: int, positions: int) -> None:
         """A clip's caches from slot `source` into the free slot `target` (its first `positions` self-attention
         entries: the rest are masked), on the current stream, so ordered before the next step."""
-        for kv in self.cross_kv:
-            kv[:, target].copy_(kv[:, source])
-        for kv in self.self_kv:
-            kv[:, target, :, :positions].copy_(kv[:, source, :, :positions])
+        self.cross_cache[:, :, target].copy_(self.cross_cache[:, :, source])
+        self.self_cache[:, :, target, :, :positions].copy_(self.self_cache[:, :, source, :, :positions])
 
     @torch.inference_mode()
     def step(self, tokens: list[int], positions: list[int]) -> list[list[int]]:

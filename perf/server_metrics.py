@@ -74,8 +74,8 @@ class MetricsWatch:
         def grew(name: str) -> list[int]:
             counts = [reading.get(name, 0.0) for _, reading in self.readings]
             return [i for i in range(1, len(counts)) if counts[i] != counts[i - 1]]
-        first, last = grew(self.progress), grew(self.until)
-        return self.readings[first[0] - 1:last[-1] + 1] if first and last and last[-1] >= first[0] else self.readings
+        first, last = grew(self.progress), grew(self.until) or grew(self.progress)  # (`until` may not exist)
+        return self.readings[first[0] - 1:last[-1] + 1] if first and last[-1] >= first[0] else self.readings
 
     @property
     def seconds(self) -> float:

@@ -169,6 +169,8 @@ def test_metrics_watch_counts_only_while_the_model_answered():
     watch.readings = [(t, {done: d, started: s, busy: b}) for t, d, s, b in
                       [(0, 0, 0, 0), (1, 0, 8, 8), (2, 4, 12, 8), (3, 8, 16, 8), (4, 12, 16, 4), (5, 16, 16, 0)]]
     assert watch.seconds == 2 and watch.growth[done] == 8 and watch.mean[busy] == 8  # readings at 1 to 3 s
+    watch.until = "not_served"  # a model without that counter: to the first reading after the last answer
+    assert watch.seconds == 4
 
 
 def test_whisper_bench_inputs_are_real_audio_with_their_token_budget(tmp_path):

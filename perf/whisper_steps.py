@@ -146,23 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     every_slot = torch.arange(max(ROWS), device=engine.device)
     engine.decoder.join(every_slot, encoded)
     eager.join(every_slot, encoded)
-    table = []
     # at position 40 self-attention spans the cache's first 64 entries; at 400, all 448 (SlotDecoder.spans)
     steps = [*((rows, 40) for rows in ROWS), (max(ROWS), 400)]
-    for rows, position in steps:
-        tokens, positions = [engine.sot] * rows, [position] * rows
-        op_by_op, _ = timed(lambda: eager.step(tokens, positions), args.repeats)
-        graphed, _ = timed(lambda: engine.decoder.step(tokens, positions), args.repeats)
-        table.append([f"decoder step, {rows} rows at position {position}", op_by_op, graphed])
-    del eager
+
+    def step_ms(decoder: SlotDecoder) -> list[float]:
+        return [timed(lambda: decoder.step([engine.sot] * rows, [position] * rows), args.repeats)[0]
+                for rows, position in steps]
+    op_by_op = step_ms(eager)
+    del eager  # its caches (20 GB at large-v3's shapes) make room for the unfused decoder's
     # the step as it was before `fused`: three q/k/v projections, each residual add and LayerNorm a kernel
     unfused = SlotDecoder(engine.model, max(ROWS), graphs=True, fused=False)
     unfused.join(every_slot, encoded)
-    for rows, position in steps:
-        tokens, positions = [engine.sot] * rows, [position] * rows
-        graphed, _ = timed(lambda: unfused.step(tokens, positions), args.repeats)
-        table.append([f"decoder step, {rows} rows at position {position}, unfused", "-", graphed])
+    unfused_ms = step_ms(unfused)
     del unfused
+    labels = [f"decoder step, {rows} rows at position {position}" for rows, position in steps]
+    table = [[label, eager_ms, graphed_ms] for label, eager_ms, graphed_ms in zip(labels, op_by_op,
+                                                                                 step_ms(engine.decoder))]
+    table += [[f"{label}, unfused", "-", ms] for label, ms in zip(labels, unfused_ms)]
     audio = [np.random.default_rng(i).normal(0, 0.1, 16000 * 28).astype(np.float32) for i in range(16)]
     flops = join_flops(engine.model.config)
     rows, profiles = join_rows(engine, audio, "", flops, args.repeats, args.profile_joins)
